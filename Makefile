@@ -1,0 +1,35 @@
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+BACKENDS ?= tensorflow jax torch
+PYTEST_ARGS ?=
+
+.PHONY: install demo test bench lint clean
+
+$(BIN)/.installed: pyproject.toml requirements-dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-dev.txt
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	KERAS_BACKEND=$${KERAS_BACKEND:-tensorflow} $(BIN)/pergrad demo
+
+# The Keras backend is fixed at import: one pytest process per backend.
+test: install
+	$(BIN)/ruff check src tests benchmarks
+	@for backend in $(BACKENDS); do \
+		echo "=== KERAS_BACKEND=$$backend ==="; \
+		KERAS_BACKEND=$$backend $(BIN)/python -m pytest -q $(PYTEST_ARGS) tests || exit 1; \
+	done
+
+bench: install
+	KERAS_BACKEND=$${KERAS_BACKEND:-tensorflow} $(BIN)/python benchmarks/bench.py
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) demo_output

@@ -1,0 +1,19 @@
+"""JAX adapter: ``jax.vmap(jax.grad(...))``; microbatches with ``jax.lax.map``."""
+
+import jax
+
+
+def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
+    single_grad = jax.grad(fn, has_aux=True)
+
+    def single(example):
+        return single_grad(params, example, shared)
+
+    if microbatch_size is None:
+        return jax.vmap(single)(batched)
+    return jax.lax.map(single, batched, batch_size=microbatch_size)
+
+
+def grad(fn, params):
+    value, grads = jax.value_and_grad(fn)(params)
+    return value, grads

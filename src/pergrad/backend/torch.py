@@ -1,0 +1,48 @@
+"""PyTorch adapter: ``torch.func.vmap(torch.func.grad(...))``."""
+
+import torch
+
+_LAYOUT_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
+
+
+class _IgnoreMemoryLayout(torch.overrides.TorchFunctionMode):
+    """Drops memory-layout requests, which vmap cannot answer (keras#23587).
+
+    Keras's torch convolutions ask ``is_contiguous(memory_format=channels_last)``
+    and copy to channels-last; inside ``torch.func.vmap`` both raise "NYI". A
+    memory layout is a performance hint that never changes a value, so inside
+    our vectorized map we answer "already contiguous" and keep the layout. This
+    relies on torch's public function-mode hook, not on Keras internals.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.is_contiguous:
+            return True
+        if func in (torch.Tensor.contiguous, torch.Tensor.clone, torch.clone):
+            if kwargs.get("memory_format") not in _LAYOUT_FORMATS:
+                kwargs.pop("memory_format")
+                if func is torch.Tensor.contiguous:
+                    return args[0]
+        return func(*args, **kwargs)
+
+
+def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
+    single_grad = torch.func.grad(fn, has_aux=True)
+
+    def single(example):
+        return single_grad(params, example, shared)
+
+    vectorized = torch.func.vmap(single, randomness="different", chunk_size=microbatch_size)
+    with torch.enable_grad(), _IgnoreMemoryLayout():
+        return vectorized(batched)
+
+
+def grad(fn, params):
+    """Value and gradient of the scalar ``fn(params)``; zeros where unconnected."""
+    with torch.enable_grad():
+        params = [p.detach().requires_grad_(True) for p in params]
+        value = fn(params)
+        grads = torch.autograd.grad(value, params, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+    return value.detach(), grads

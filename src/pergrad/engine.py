@@ -1,0 +1,340 @@
+"""The generic vectorized engine: per-example gradients of any Keras model.
+
+Example i's loss ``L_i`` is the model's reduced data loss evaluated on example
+i alone, rescaled so that ``mean_i L_i`` equals the loss Keras reduces over the
+batch (DESIGN §1). Its gradient is computed for every example at once by the
+backend's vectorizing transform (``tf.vectorized_map``, ``jax.vmap``,
+``torch.func.vmap``) around a forward pass run inside a ``keras.StatelessScope``,
+never by a Python loop over examples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import ops
+from keras import tree
+
+from pergrad.backend import adapter
+
+# Per-example RNG streams: example i draws from the seed state offset by
+# (i + 1) * this constant in the first seed component, so that examples never
+# share a stream and never reuse the model's (distinct for B < 53,000 in int32).
+_SEED_STRIDE = 40503
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", None, "none")
+
+
+def _flat_losses(loss):
+    return [item for item in tree.flatten(loss) if item is not None]
+
+
+def _map(fn, structure):
+    """``tree.map_structure`` that lets ``None`` (an absent argument) through."""
+    return None if structure is None else tree.map_structure(fn, structure)
+
+
+def _reduction(loss) -> str | None:
+    if isinstance(loss, keras.losses.Loss):
+        return loss.reduction
+    return "sum_over_batch_size"  # strings and functions are wrapped this way by Keras
+
+
+def _check_per_example_function(loss, y_true, y_pred):
+    """A plain loss function must return one value per example, not a scalar."""
+    fn = getattr(loss, "fn", None) if isinstance(loss, keras.losses.Loss) else loss
+    if not callable(fn) or isinstance(fn, keras.losses.Loss) or isinstance(fn, str):
+        return
+    value = fn(y_true, y_pred)
+    if len(ops.shape(value)) == 0:
+        raise ValueError(
+            f"The loss function {getattr(fn, '__name__', fn)!r} returns a scalar for a "
+            "batch, so it has already averaged over examples and per-example losses "
+            "cannot be recovered from it. Return one loss per example (shape (batch,) "
+            "or (batch, ...)) and let Keras reduce it."
+        )
+
+
+def batch_normalization_layers(model) -> list:
+    """Layers that mix examples in the forward pass when training."""
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+    ]
+
+
+def check_model(model, training: bool = True) -> None:
+    """Raises a clear error for models whose per-example gradients are undefined."""
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built yet: call it on a batch or build it "
+            "before asking for per-example gradients."
+        )
+    if not model.trainable_variables:
+        raise ValueError(
+            f"Model {model.name!r} has no trainable variables, so it has no "
+            "per-example gradients."
+        )
+    if training:
+        mixing = batch_normalization_layers(model)
+        if mixing:
+            names = ", ".join(repr(layer.name) for layer in mixing)
+            raise ValueError(
+                f"Layer(s) {names} (BatchNormalization) normalize with statistics of "
+                "the whole batch in training mode, so one example's loss depends on "
+                "the other examples and per-example gradients are undefined. Use "
+                "LayerNormalization or GroupNormalization instead, or freeze the "
+                "layer (layer.trainable = False runs it in inference mode)."
+            )
+
+
+def _is_seed_state(variable) -> bool:
+    return variable.path.endswith("seed_generator_state")
+
+
+class PerExampleProblem:
+    """A model and a loss, turned into a single-example loss function.
+
+    Args:
+        model: a built Keras model.
+        loss: the loss; ``None`` uses the model's compiled loss. A Keras loss
+            object, a string, a function, or a nest of them matching the outputs.
+        loss_weights: optional weights of the outputs' losses, as in ``compile``.
+        training: passed to the model's forward pass.
+    """
+
+    def __init__(self, model, loss=None, loss_weights=None, training: bool = True):
+        check_model(model, training)
+        self.model = model
+        self.training = training
+        if loss is None:
+            compile_loss = getattr(model, "_compile_loss", None)
+            if compile_loss is None:
+                raise ValueError(
+                    f"Model {model.name!r} has no compiled loss: pass `loss=` or "
+                    "compile the model with a loss."
+                )
+            self.compile_loss = compile_loss
+            user_loss = model.loss
+        else:
+            # Keras's own loss container: handles strings, functions, nests of
+            # losses matching the outputs, and loss weights like `compile` does.
+            from keras.src.trainers.compile_utils import CompileLoss
+
+            self.compile_loss = CompileLoss(
+                loss, loss_weights, output_names=getattr(model, "output_names", None)
+            )
+            user_loss = loss
+        self._user_losses = _flat_losses(user_loss)
+        reductions = {_reduction(item) for item in self._user_losses}
+        if reductions <= set(_MEAN_REDUCTIONS):
+            self.sum_reduction = False
+        elif reductions == {"sum"}:
+            self.sum_reduction = True
+        else:
+            raise ValueError(
+                f"Loss reductions {sorted(map(str, reductions))} cannot be split into "
+                "per-example losses whose mean is the batch loss. Use "
+                "'sum_over_batch_size' (the Keras default) or 'sum' for every output."
+            )
+        self.seed_positions = [
+            i for i, v in enumerate(model.non_trainable_variables) if _is_seed_state(v)
+        ]
+        self._checked = False
+
+    # -- the single-example loss -------------------------------------------------
+
+    def _forward(self, trainable_values, non_trainable_values, x, collect_losses=False):
+        model = self.model
+        mapping = list(zip(model.trainable_variables, trainable_values)) + list(
+            zip(model.non_trainable_variables, non_trainable_values)
+        )
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=collect_losses) as scope:
+            y_pred = model(x, training=self.training)
+        return y_pred, scope
+
+    def _example_loss(self, trainable_values, example, shared):
+        non_trainable = list(shared["non_trainable"])
+        for position, state in zip(self.seed_positions, example.get("seeds", ())):
+            non_trainable[position] = state
+        x, y, sample_weight = (
+            _map(lambda t: ops.expand_dims(t, 0), example.get(key))
+            for key in ("x", "y", "sample_weight")
+        )
+        y_pred, scope = self._forward(trainable_values, non_trainable, x, collect_losses=True)
+        if scope.losses:
+            raise NotImplementedError(
+                "The model adds losses that depend on the data during its forward pass "
+                "(`add_loss` in `call` or an `activity_regularizer`); they are not "
+                "defined per example, so pergrad does not support them yet. Weight "
+                "regularizers are supported."
+            )
+        masks = [getattr(out, "_keras_mask", None) for out in tree.flatten(y_pred)]
+        with keras.StatelessScope():  # swallows the loss container's metric updates
+            loss = self.compile_loss(y, y_pred, sample_weight)
+        aux = {
+            "loss": loss,
+            "y_pred": tree.map_structure(lambda t: ops.squeeze(t, 0), y_pred),
+            "seeds": [scope.get_current_value(self.model.non_trainable_variables[p])
+                      for p in self.seed_positions],
+        }
+        if any(m is not None for m in masks):
+            if len(masks) > 1:
+                raise NotImplementedError(
+                    "Masked outputs are supported for single-output models only: with "
+                    "several outputs Keras normalizes each output's loss by its own "
+                    "count of unmasked steps, which is not known per example."
+                )
+            aux["valid"] = ops.sum(ops.cast(masks[0], loss.dtype))
+        return loss, aux
+
+    def _check_once(self, x, y):
+        """Eager checks that need a forward pass on one example."""
+        if self._checked:
+            return
+        first = _map(lambda t: t[:1], x)
+        y_pred = self.model(first, training=False)
+        y_first = _map(lambda t: t[:1], y)
+        flat_pred = tree.flatten(y_pred)
+        flat_true = tree.flatten(y_first) if y_first is not None else []
+        if len(self._user_losses) == 1 and len(flat_pred) == 1 and flat_true:
+            _check_per_example_function(self._user_losses[0], flat_true[0], flat_pred[0])
+        self._checked = True
+
+    # -- public entry point ---------------------------------------------------------
+
+    def compute(
+        self,
+        trainable_values,
+        non_trainable_values,
+        x,
+        y=None,
+        sample_weight=None,
+        microbatch_size: int | None = None,
+    ) -> tuple[list, dict[str, Any]]:
+        """Per-example gradients and auxiliary outputs, all with a batch axis.
+
+        Returns ``(gradients, aux)``: ``aux["loss"]`` holds each example's loss
+        ``L_i``, ``aux["y_pred"]`` the predictions, ``aux["seeds"]`` the advanced
+        seed states (to be assigned back), all computed in the same pass.
+        """
+        x, y = _map(ops.convert_to_tensor, x), _map(ops.convert_to_tensor, y)
+        batch_size = ops.shape(tree.flatten(x)[0])[0]
+        batched = {"x": x}
+        if y is not None:
+            batched["y"] = y
+        if sample_weight is not None:
+            batched["sample_weight"] = _map(
+                lambda t: ops.cast(t, keras.backend.floatx()), sample_weight
+            )
+        non_trainable_values = list(non_trainable_values)
+        if self.seed_positions:
+            batched["seeds"] = [
+                self._example_seeds(non_trainable_values[p], batch_size)
+                for p in self.seed_positions
+            ]
+        grads, aux = adapter().vectorized_grad(
+            self._example_loss,
+            list(trainable_values),
+            batched,
+            {"non_trainable": non_trainable_values},
+            microbatch_size,
+        )
+        scale = None
+        if self.sum_reduction:
+            scale = ops.full((batch_size,), batch_size, dtype=aux["loss"].dtype)
+        if "valid" in aux:
+            valid = aux.pop("valid")
+            masked = ops.cast(batch_size, valid.dtype) * valid / ops.sum(valid)
+            scale = masked if scale is None else scale * masked
+        if scale is not None:
+            aux["loss"] = aux["loss"] * scale
+            grads = [g * ops.reshape(ops.cast(scale, g.dtype), (-1,) + (1,) * (len(g.shape) - 1))
+                     for g in grads]
+        # Every example advanced its own copy of each seed state by the same
+        # count; the model's state advances by that count too.
+        aux["seeds"] = [
+            ops.stack([non_trainable_values[p][0], new[0][1]])
+            for p, new in zip(self.seed_positions, aux["seeds"])
+        ]
+        return grads, aux
+
+    @staticmethod
+    def _example_seeds(state, batch_size):
+        offsets = ops.cast(ops.arange(1, batch_size + 1, dtype="int32") * _SEED_STRIDE, state.dtype)
+        first = state[0] + offsets
+        second = ops.broadcast_to(state[1], ops.shape(first))
+        return ops.stack([first, second], axis=1)
+
+    def regularization(self, trainable_values):
+        """Value and gradient of the weight regularizers (batch-level, data-free)."""
+        variables = self.model.trainable_variables
+        if not any(getattr(v, "regularizer", None) is not None for v in variables):
+            return None, None
+
+        def total(values):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                losses = self.model.losses
+                return ops.sum(ops.stack([ops.cast(l, "float32") for l in losses]))
+
+        return adapter().grad(total, list(trainable_values))
+
+
+def _problem(model, loss, training) -> PerExampleProblem:
+    cache = model.__dict__.setdefault("_pergrad_problems", {})
+    key = (id(loss), training)
+    if key not in cache:
+        cache[key] = (loss, PerExampleProblem(model, loss, training=training))
+    return cache[key][1]
+
+
+def per_example_gradients(
+    model,
+    x,
+    y=None,
+    sample_weight=None,
+    *,
+    loss=None,
+    training: bool = True,
+    microbatch_size: int | None = None,
+) -> list:
+    """Each example's gradient of its own loss, for every trainable variable.
+
+    Example i's loss ``L_i`` is defined so that ``mean_i L_i`` is the data loss
+    Keras reduces over the batch (sample weights, multi-dimensional outputs,
+    masks, several outputs with loss weights), hence ``mean_i g_i`` is the
+    gradient plain ``fit()`` uses (without the weight regularizers, which belong
+    to no example).
+
+    Args:
+        model: a built Keras model.
+        x: the inputs, as the model takes them (a tensor, list or dict).
+        y: the targets.
+        sample_weight: optional per-example weights, shape ``(B,)``.
+        loss: the loss; defaults to the model's compiled loss. A Keras loss of any
+            mean-like or ``"sum"`` reduction, a string or a function.
+        training: whether the forward pass runs in training mode (dropout on).
+        microbatch_size: compute the per-example pass in chunks of this many
+            examples to bound peak memory; the results are the same.
+
+    Returns:
+        A list aligned with ``model.trainable_variables``; entry ``k`` has shape
+        ``(B,) + model.trainable_variables[k].shape``. Dense tensors.
+    """
+    if microbatch_size is not None and microbatch_size < 1:
+        raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size}.")
+    problem = _problem(model, loss, training)
+    problem._check_once(x, y)
+    grads, aux = problem.compute(
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        x,
+        y,
+        sample_weight,
+        microbatch_size,
+    )
+    for position, state in zip(problem.seed_positions, aux["seeds"]):
+        model.non_trainable_variables[position].assign(state)
+    return grads
