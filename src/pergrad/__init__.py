@@ -2,8 +2,10 @@
 
 from pergrad import aggregators
 from pergrad.engine import per_example_gradients
+from pergrad.model import PerExampleModel
 
 __all__ = [
+    "PerExampleModel",
     "aggregators",
     "per_example_gradients",
 ]

@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-from keras import ops
-from keras import tree
+from keras import ops, tree
 
 from pergrad.backend import adapter
 
@@ -33,6 +32,14 @@ def _flat_losses(loss):
 def _map(fn, structure):
     """``tree.map_structure`` that lets ``None`` (an absent argument) through."""
     return None if structure is None else tree.map_structure(fn, structure)
+
+
+def _scale_examples(gradient, scale):
+    """Multiplies example i's gradient by ``scale[i]`` (or by a scalar)."""
+    scale = ops.cast(scale, gradient.dtype)
+    if len(scale.shape) == 0:
+        return gradient * scale
+    return gradient * ops.reshape(scale, (-1,) + (1,) * (len(gradient.shape) - 1))
 
 
 def _reduction(loss) -> str | None:
@@ -101,15 +108,19 @@ class PerExampleProblem:
         model: a built Keras model.
         loss: the loss; ``None`` uses the model's compiled loss. A Keras loss
             object, a string, a function, or a nest of them matching the outputs.
-        loss_weights: optional weights of the outputs' losses, as in ``compile``.
         training: passed to the model's forward pass.
+        compile_loss: an already built Keras loss container to use (the
+            compiled loss of a wrapping model); ``loss`` then names its losses.
     """
 
-    def __init__(self, model, loss=None, loss_weights=None, training: bool = True):
+    def __init__(self, model, loss=None, training: bool = True, compile_loss=None):
         check_model(model, training)
         self.model = model
         self.training = training
-        if loss is None:
+        if compile_loss is not None:
+            self.compile_loss = compile_loss  # a wrapper's compiled loss
+            user_loss = loss
+        elif loss is None:
             compile_loss = getattr(model, "_compile_loss", None)
             if compile_loss is None:
                 raise ValueError(
@@ -120,12 +131,10 @@ class PerExampleProblem:
             user_loss = model.loss
         else:
             # Keras's own loss container: handles strings, functions, nests of
-            # losses matching the outputs, and loss weights like `compile` does.
+            # losses matching the outputs, like `compile` does.
             from keras.src.trainers.compile_utils import CompileLoss
 
-            self.compile_loss = CompileLoss(
-                loss, loss_weights, output_names=getattr(model, "output_names", None)
-            )
+            self.compile_loss = CompileLoss(loss, output_names=getattr(model, "output_names", None))
             user_loss = loss
         self._user_losses = _flat_losses(user_loss)
         reductions = {_reduction(item) for item in self._user_losses}
@@ -174,6 +183,7 @@ class PerExampleProblem:
         masks = [getattr(out, "_keras_mask", None) for out in tree.flatten(y_pred)]
         with keras.StatelessScope():  # swallows the loss container's metric updates
             loss = self.compile_loss(y, y_pred, sample_weight)
+        scaled = loss if shared.get("loss_scale") is None else loss * shared["loss_scale"]
         aux = {
             "loss": loss,
             "y_pred": tree.map_structure(lambda t: ops.squeeze(t, 0), y_pred),
@@ -188,7 +198,8 @@ class PerExampleProblem:
                     "count of unmasked steps, which is not known per example."
                 )
             aux["valid"] = ops.sum(ops.cast(masks[0], loss.dtype))
-        return loss, aux
+            aux["mask"] = ops.squeeze(masks[0], 0)
+        return scaled, aux
 
     def _check_once(self, x, y):
         """Eager checks that need a forward pass on one example."""
@@ -201,6 +212,9 @@ class PerExampleProblem:
         flat_true = tree.flatten(y_first) if y_first is not None else []
         if len(self._user_losses) == 1 and len(flat_pred) == 1 and flat_true:
             _check_per_example_function(self._user_losses[0], flat_true[0], flat_pred[0])
+        if y_first is not None and not getattr(self.compile_loss, "built", True):
+            with keras.StatelessScope():  # builds the loss container outside any trace
+                self.compile_loss(y_first, y_pred, None)
         self._checked = True
 
     # -- public entry point ---------------------------------------------------------
@@ -213,12 +227,16 @@ class PerExampleProblem:
         y=None,
         sample_weight=None,
         microbatch_size: int | None = None,
+        loss_scale=None,
     ) -> tuple[list, dict[str, Any]]:
         """Per-example gradients and auxiliary outputs, all with a batch axis.
 
         Returns ``(gradients, aux)``: ``aux["loss"]`` holds each example's loss
         ``L_i``, ``aux["y_pred"]`` the predictions, ``aux["seeds"]`` the advanced
-        seed states (to be assigned back), all computed in the same pass.
+        seed states (to be assigned back), all computed in the same pass. With
+        ``loss_scale`` (mixed precision), each loss is differentiated times that
+        scale and the gradients are divided by it again: callers get unscaled
+        gradients.
         """
         x, y = _map(ops.convert_to_tensor, x), _map(ops.convert_to_tensor, y)
         batch_size = ops.shape(tree.flatten(x)[0])[0]
@@ -239,20 +257,26 @@ class PerExampleProblem:
             self._example_loss,
             list(trainable_values),
             batched,
-            {"non_trainable": non_trainable_values},
+            {"non_trainable": non_trainable_values, "loss_scale": loss_scale},
             microbatch_size,
         )
-        scale = None
+        # L_i rescaled to the batch's normalization (DESIGN §1): a factor per
+        # example, constant in the parameters, so it can scale the gradient.
+        example_scale = None
         if self.sum_reduction:
-            scale = ops.full((batch_size,), batch_size, dtype=aux["loss"].dtype)
+            example_scale = ops.full((batch_size,), batch_size, dtype=aux["loss"].dtype)
         if "valid" in aux:
             valid = aux.pop("valid")
             masked = ops.cast(batch_size, valid.dtype) * valid / ops.sum(valid)
-            scale = masked if scale is None else scale * masked
-        if scale is not None:
-            aux["loss"] = aux["loss"] * scale
-            grads = [g * ops.reshape(ops.cast(scale, g.dtype), (-1,) + (1,) * (len(g.shape) - 1))
-                     for g in grads]
+            example_scale = masked if example_scale is None else example_scale * masked
+        if example_scale is not None:
+            aux["loss"] = aux["loss"] * example_scale
+        grad_scale = example_scale
+        if loss_scale is not None:
+            inverse = 1.0 / ops.cast(loss_scale, aux["loss"].dtype)
+            grad_scale = inverse if grad_scale is None else grad_scale * inverse
+        if grad_scale is not None:
+            grads = [_scale_examples(g, grad_scale) for g in grads]
         # Every example advanced its own copy of each seed state by the same
         # count; the model's state advances by that count too.
         aux["seeds"] = [

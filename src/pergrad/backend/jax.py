@@ -1,5 +1,7 @@
 """JAX adapter: ``jax.vmap(jax.grad(...))``; microbatches with ``jax.lax.map``."""
 
+import contextlib
+
 import jax
 
 
@@ -12,6 +14,10 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
     if microbatch_size is None:
         return jax.vmap(single)(batched)
     return jax.lax.map(single, batched, batch_size=microbatch_size)
+
+
+def no_grad():
+    return contextlib.nullcontext()
 
 
 def grad(fn, params):

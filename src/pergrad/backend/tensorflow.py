@@ -1,5 +1,6 @@
 """TensorFlow adapter: ``tf.vectorized_map`` (pfor) over single-example gradients."""
 
+import contextlib
 import warnings
 
 import tensorflow as tf
@@ -66,6 +67,10 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
         return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))[:batch_size]
 
     return tf.nest.map_structure(from_chunks, out)
+
+
+def no_grad():
+    return contextlib.nullcontext()
 
 
 def grad(fn, params):

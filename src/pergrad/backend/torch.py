@@ -38,6 +38,10 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
         return vectorized(batched)
 
 
+def no_grad():
+    return torch.no_grad()
+
+
 def grad(fn, params):
     """Value and gradient of the scalar ``fn(params)``; zeros where unconnected."""
     with torch.enable_grad():

@@ -1,0 +1,270 @@
+"""The aggregator protocol.
+
+An aggregator maps per-example gradients ``g_1..g_B`` (a list aligned with the
+model's trainable variables, entry k of shape ``(B,) + variable_k.shape``) to
+one gradient (a list of the variables' shapes). Any callable with that
+signature is an aggregator. The classes here add what the engine can use to
+pick a cheaper path (DESIGN §2): the aggregator's *kind*.
+
+- ``"statistics"`` (:class:`WeightedAggregator`): the result is
+  ``sum_i w_i g_i`` (plus, optionally, noise) with weights computed from
+  per-example statistics only: squared norms and, if asked, the Gram matrix.
+- ``"coordinate"`` (:class:`CoordinateAggregator`): works one variable at a
+  time and needs all B values of each coordinate (median, trimmed mean).
+- ``"arbitrary"``: anything else; the user's own function.
+
+Aggregators are Keras layers so that stateful rules keep their state as Keras
+variables: tracked by the model, carried through JAX's stateless train step,
+saved by ``model.save()`` and restored by ``keras.models.load_model()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import keras
+from keras import ops
+
+STATISTICS = "statistics"
+COORDINATE = "coordinate"
+ARBITRARY = "arbitrary"
+KINDS = (STATISTICS, COORDINATE, ARBITRARY)
+
+_REGISTERED: dict[str, Callable[[], Aggregator]] = {}
+
+
+def register(name: str):
+    """Registers a factory under a string name (``"median"``) and for saving."""
+
+    def decorate(factory):
+        _REGISTERED[name] = factory
+        return factory
+
+    return decorate
+
+
+def _serializable(cls):
+    return keras.saving.register_keras_serializable(package="pergrad")(cls)
+
+
+def batch_size_of(gradients) -> int:
+    return ops.shape(gradients[0])[0]
+
+
+def static_batch_size(gradients) -> int | None:
+    size = gradients[0].shape[0]
+    return int(size) if size is not None else None
+
+
+@_serializable
+class Aggregator(keras.layers.Layer):
+    """Base class: ``aggregate(gradients) -> list`` of the variables' shapes.
+
+    Subclasses set ``kind`` and implement :meth:`aggregate`. Rules that report
+    what they did (fraction clipped, examples rejected) name the values in
+    ``diagnostics`` and call :meth:`report` during ``aggregate``; the model
+    logs them in ``History`` and the progress bar.
+    """
+
+    kind: str = ARBITRARY
+    diagnostics: tuple[str, ...] = ()
+    #: The smallest batch the rule is defined for.
+    min_batch_size: int = 1
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("trainable", False)
+        super().__init__(**kwargs)
+        self._reports: dict = {}
+
+    def call(self, gradients):
+        gradients = list(gradients)
+        size = static_batch_size(gradients)
+        if size is not None and size < self.min_batch_size:
+            raise ValueError(
+                f"Aggregator {self.name!r} needs a batch of at least "
+                f"{self.min_batch_size} examples, got {size}."
+            )
+        return self.aggregate(gradients)
+
+    def aggregate(self, gradients: list) -> list:
+        raise NotImplementedError
+
+    def report(self, name: str, value) -> None:
+        """Records a diagnostic value (a scalar) of the current call."""
+        if name not in self.diagnostics:
+            raise ValueError(f"{name!r} is not one of {type(self).__name__}.diagnostics.")
+        self._reports[name] = value
+
+    def pop_reports(self) -> dict:
+        reports, self._reports = self._reports, {}
+        return reports
+
+    def compute_output_spec(self, gradients):
+        return [keras.KerasTensor(g.shape[1:], g.dtype) for g in gradients]
+
+
+class ExampleStatistics:
+    """Per-example statistics of a batch of per-example gradients.
+
+    Attributes:
+        squared_norms: ``(B, V)``, squared L2 norm of example i's gradient of
+            variable k. Norms add up over variables: the flat squared norm is
+            ``squared_norms.sum(axis=1)``.
+        gram: ``(B, B)`` Gram matrix ``<g_i, g_j>`` over all variables, or
+            ``None`` when the aggregator did not ask for it.
+    """
+
+    def __init__(self, squared_norms, gram=None):
+        self.squared_norms = squared_norms
+        self.gram = gram
+
+    @property
+    def batch_size(self):
+        return ops.shape(self.squared_norms)[0]
+
+    @property
+    def flat_squared_norms(self):
+        return ops.sum(self.squared_norms, axis=1)
+
+    @classmethod
+    def from_gradients(cls, gradients, gram: bool = False) -> ExampleStatistics:
+        flat = [ops.reshape(g, (ops.shape(g)[0], -1)) for g in gradients]
+        squared_norms = ops.stack([ops.sum(f * f, axis=1) for f in flat], axis=1)
+        gram_matrix = None
+        if gram:
+            gram_matrix = sum(ops.matmul(f, ops.transpose(f)) for f in flat)
+        return cls(squared_norms, gram_matrix)
+
+
+def weighted_sum(gradients, weights) -> list:
+    """``sum_i w_i g_i`` per variable; ``weights`` is ``(B,)`` or ``(B, V)``."""
+    out = []
+    for k, g in enumerate(gradients):
+        w = weights if len(weights.shape) == 1 else weights[:, k]
+        flat = ops.reshape(g, (ops.shape(g)[0], -1))
+        out.append(ops.reshape(ops.matmul(ops.cast(w, g.dtype)[None, :], flat)[0], g.shape[1:]))
+    return out
+
+
+@_serializable
+class WeightedAggregator(Aggregator):
+    """Rules whose result is ``sum_i w_i g_i`` with weights from statistics.
+
+    Subclasses implement :meth:`example_weights` and may override
+    :meth:`finalize` (e.g. to add noise). With only statistics needed, a fast
+    engine can compute the result without materializing per-example gradients:
+    ``sum_i w_i g_i`` is the gradient of ``sum_i w_i L_i`` with ``w`` fixed.
+    """
+
+    kind = STATISTICS
+    #: Whether :meth:`example_weights` reads ``stats.gram``.
+    needs_gram: bool = False
+
+    def example_weights(self, stats: ExampleStatistics):
+        """Returns weights of shape ``(B,)`` or ``(B, V)`` (one per variable)."""
+        raise NotImplementedError
+
+    def finalize(self, result: list) -> list:
+        return result
+
+    def aggregate(self, gradients):
+        stats = ExampleStatistics.from_gradients(gradients, gram=self.needs_gram)
+        return self.finalize(weighted_sum(gradients, self.example_weights(stats)))
+
+
+@_serializable
+class CoordinateAggregator(Aggregator):
+    """Rules applied to one variable at a time: ``(B, ...) -> (...)``."""
+
+    kind = COORDINATE
+
+    def aggregate_variable(self, gradient):
+        raise NotImplementedError
+
+    def aggregate(self, gradients):
+        return [self.aggregate_variable(g) for g in gradients]
+
+
+@_serializable
+class FunctionAggregator(Aggregator):
+    """Wraps a plain function ``list[(B, ...)] -> list[(...)]`` (kind arbitrary).
+
+    To save a model that uses it, register the function with
+    ``keras.saving.register_keras_serializable``.
+    """
+
+    def __init__(self, function: Callable, per_variable: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.function = function
+        self.per_variable = per_variable
+        if per_variable:
+            self.kind = COORDINATE
+
+    def aggregate(self, gradients):
+        if self.per_variable:
+            return [self.function(g) for g in gradients]
+        return list(self.function(gradients))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            function=keras.saving.serialize_keras_object(self.function),
+            per_variable=self.per_variable,
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["function"] = keras.saving.deserialize_keras_object(config["function"])
+        return cls(**config)
+
+
+def per_variable(function: Callable) -> FunctionAggregator:
+    """Lifts ``function((B, ...)) -> (...)`` to an aggregator, variable by variable."""
+    return FunctionAggregator(function, per_variable=True)
+
+
+def get(identifier) -> Aggregator:
+    """An aggregator from a name (``"median"``), an instance, or a callable."""
+    if identifier is None:
+        identifier = "mean"
+    if isinstance(identifier, Aggregator):
+        return identifier
+    if isinstance(identifier, str):
+        if identifier not in _REGISTERED:
+            raise ValueError(
+                f"Unknown aggregator {identifier!r}; known names: {sorted(_REGISTERED)}. "
+                "Pass an aggregator object or a function to use another rule."
+            )
+        return _REGISTERED[identifier]()
+    if isinstance(identifier, dict):
+        return keras.saving.deserialize_keras_object(identifier)
+    if callable(identifier):
+        return FunctionAggregator(identifier)
+    raise TypeError(
+        f"An aggregator is a name, an Aggregator or a callable; got {identifier!r}."
+    )
+
+
+def check_result(result, variables: Sequence, aggregator_name: str) -> list:
+    """Raises a clear error when an aggregator returns the wrong structure."""
+    if not isinstance(result, (list, tuple)):
+        raise ValueError(
+            f"Aggregator {aggregator_name!r} must return a list with one tensor per "
+            f"trainable variable ({len(variables)}); got {type(result).__name__}."
+        )
+    result = list(result)
+    if len(result) != len(variables):
+        raise ValueError(
+            f"Aggregator {aggregator_name!r} returned {len(result)} tensors for "
+            f"{len(variables)} trainable variables."
+        )
+    for value, variable in zip(result, variables):
+        if tuple(value.shape) != tuple(variable.shape):
+            raise ValueError(
+                f"Aggregator {aggregator_name!r} returned shape {tuple(value.shape)} for "
+                f"variable {variable.path!r} of shape {tuple(variable.shape)}."
+            )
+    return result

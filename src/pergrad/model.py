@@ -1,0 +1,226 @@
+"""``PerExampleModel``: a Keras model whose ``fit()`` aggregates per-example gradients."""
+
+from __future__ import annotations
+
+import keras
+from keras import ops, tree
+
+from pergrad import aggregators as aggregators_module
+from pergrad.aggregators.base import check_result
+from pergrad.backend import adapter
+from pergrad.engine import PerExampleProblem, check_model
+
+_BACKEND = keras.backend.backend()
+
+
+def _set_mask(tensor, mask):
+    from keras.src.backend.common.masking import set_keras_mask
+
+    set_keras_mask(tensor, mask)
+
+
+def _all_finite(gradients):
+    return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in gradients]))
+
+
+@keras.saving.register_keras_serializable(package="pergrad")
+class PerExampleModel(keras.Model):
+    """Wraps a Keras model so that ``fit()`` combines per-example gradients.
+
+    Each training step computes every example's gradient ``g_i`` of its own loss
+    ``L_i`` (with ``mean_i L_i`` the loss plain Keras minimizes), hands them to
+    ``aggregator`` and gives the result to the optimizer. Gradients of weight
+    regularizers belong to no example: they are computed once and added after
+    aggregation. ``compile``, ``fit``, ``evaluate``, ``predict``, callbacks,
+    metrics and saving work as for the wrapped model.
+
+    If any example's gradient is not finite, the aggregated gradient is made NaN
+    (as the plain mean would be) rather than letting a robust rule hide it:
+    training diverges loudly (use ``keras.callbacks.TerminateOnNaN``), and under
+    a ``LossScaleOptimizer`` the step is skipped and the loss scale lowered.
+
+    Args:
+        model: any built or buildable Keras model (Sequential, functional,
+            subclassed; several inputs and outputs allowed).
+        aggregator: an aggregator, its name (``"mean"``, ``"median"``, ...) or a
+            function ``list[(B, ...)] -> list[(...)]``.
+        microbatch_size: compute per-example gradients in chunks of this many
+            examples to bound peak memory; results are the same.
+    """
+
+    def __init__(self, model, aggregator="mean", *, microbatch_size: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        if microbatch_size is not None and microbatch_size < 1:
+            raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size}.")
+        self.model = model
+        self.aggregator = aggregators_module.get(aggregator)
+        self.microbatch_size = microbatch_size
+        self._diagnostic_trackers = [
+            keras.metrics.Mean(name=name) for name in self.aggregator.diagnostics
+        ]
+        self._problem_cache = None
+        if model.built:
+            self.build(None)
+
+    # -- Keras model plumbing ------------------------------------------------------
+
+    def build(self, input_shape=None):
+        if not self.model.built:
+            self.model.build(input_shape)
+        if not self.aggregator.built:
+            self.aggregator.build([(None,) + tuple(v.shape) for v in self.model.trainable_variables])
+        self.built = True
+
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    def compute_output_spec(self, inputs, training=None):
+        return self.model.compute_output_spec(inputs)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            model=keras.saving.serialize_keras_object(self.model),
+            aggregator=keras.saving.serialize_keras_object(self.aggregator),
+            microbatch_size=self.microbatch_size,
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects)
+        aggregator = keras.saving.deserialize_keras_object(config.pop("aggregator"), custom_objects)
+        return cls(model, aggregator, **config)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        # Diagnostics come from the train step that just ran, never from evaluation.
+        reports = self.__dict__.pop("_pending_reports", None)
+        for tracker in self._diagnostic_trackers:
+            if reports and tracker.name in reports:
+                tracker.update_state(reports[tracker.name])
+        logs = super().compute_metrics(x, y, y_pred, sample_weight)
+        if reports is None:
+            logs = {k: v for k, v in logs.items() if k not in self.aggregator.diagnostics}
+        return logs
+
+    # -- the per-example step, written once for every backend ------------------------
+
+    def _problem(self) -> PerExampleProblem:
+        if self._problem_cache is None:
+            check_model(self.model, training=True)
+            self._problem_cache = PerExampleProblem(
+                self.model, loss=self.loss, training=True, compile_loss=self._compile_loss
+            )
+        return self._problem_cache
+
+    def _loss_scale(self):
+        optimizer = self.optimizer
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return optimizer.dynamic_scale
+        return None
+
+    def _aggregated_gradients(self, trainable_values, non_trainable_values, x, y, sample_weight):
+        """Returns ``(gradients, y_pred, new_seed_states)`` for one batch.
+
+        Pure in the variable values; the aggregator may assign its own state
+        (the JAX step runs it inside a ``StatelessScope``).
+        """
+        problem = self._problem()
+        loss_scale = self._loss_scale()
+        per_example, aux = problem.compute(
+            trainable_values,
+            non_trainable_values,
+            x,
+            y,
+            sample_weight,
+            self.microbatch_size,
+            loss_scale=loss_scale,
+        )
+        variables = self.model.trainable_variables
+        result = check_result(self.aggregator(per_example), variables, self.aggregator.name)
+        self.__dict__["_pending_reports"] = self.aggregator.pop_reports()
+        _, regularization = problem.regularization(trainable_values)
+        if regularization is not None:
+            result = [g + ops.cast(r, g.dtype) for g, r in zip(result, regularization)]
+        nan = ops.convert_to_tensor(float("nan"))
+        finite = _all_finite(per_example)
+        result = [ops.where(finite, g, ops.cast(nan, g.dtype)) for g in result]
+        if loss_scale is not None:  # LossScaleOptimizer expects scaled gradients
+            result = [g * ops.cast(loss_scale, g.dtype) for g in result]
+        y_pred = aux["y_pred"]
+        if "mask" in aux:
+            _set_mask(tree.flatten(y_pred)[0], aux["mask"])
+        return result, y_pred, aux["seeds"]
+
+    def _check_batch(self, x):
+        size = tree.flatten(x)[0].shape[0]
+        minimum = self.aggregator.min_batch_size
+        if size is not None and size < minimum:
+            raise ValueError(
+                f"Aggregator {self.aggregator.name!r} needs batches of at least {minimum} "
+                f"examples; got a batch of {size}."
+            )
+
+    if _BACKEND == "jax":
+
+        def train_step(self, state, data):
+            trainable, non_trainable, optimizer_variables, metrics_variables = state
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            self._check_batch(x)
+            inner = self._inner_non_trainable_positions()
+            mapping = list(zip(self.non_trainable_variables, non_trainable))
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                grads, y_pred, seeds = self._aggregated_gradients(
+                    trainable, [non_trainable[i] for i in inner], x, y, sample_weight
+                )
+            non_trainable = [
+                scope.get_current_value(v) if scope.get_current_value(v) is not None else value
+                for v, value in zip(self.non_trainable_variables, non_trainable)
+            ]
+            for position, state_value in zip(self._problem().seed_positions, seeds):
+                non_trainable[inner[position]] = state_value
+            loss, (_, non_trainable, metrics_variables) = self.stateless_compute_loss(
+                trainable,
+                non_trainable,
+                metrics_variables,
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=True,
+            )
+            trainable, optimizer_variables = self.optimizer.stateless_apply(
+                optimizer_variables, grads, trainable
+            )
+            logs, metrics_variables = self._update_metrics_variables(
+                metrics_variables, loss, x, y, y_pred, sample_weight
+            )
+            return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+    else:
+
+        def train_step(self, data):
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            self._check_batch(x)
+            variables = self.model.non_trainable_variables
+            grads, y_pred, seeds = self._aggregated_gradients(
+                [v.value for v in self.model.trainable_variables],
+                [v.value for v in variables],
+                x,
+                y,
+                sample_weight,
+            )
+            for position, state_value in zip(self._problem().seed_positions, seeds):
+                variables[position].assign(state_value)
+            # The logged loss is the one plain Keras reports for this batch
+            # (before the update, with the same predictions).
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+            self._loss_tracker.update_state(loss, sample_weight=ops.shape(tree.flatten(x)[0])[0])
+            with adapter().no_grad():
+                self.optimizer.apply(grads, self.model.trainable_variables)
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _inner_non_trainable_positions(self) -> list[int]:
+        ids = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
+        return [ids[id(v)] for v in self.model.non_trainable_variables]
