@@ -22,7 +22,7 @@ test: install
 	$(BIN)/ruff check src tests benchmarks
 	@for backend in $(BACKENDS); do \
 		echo "=== KERAS_BACKEND=$$backend ==="; \
-		KERAS_BACKEND=$$backend $(BIN)/python -m pytest -q $(PYTEST_ARGS) tests || exit 1; \
+		KERAS_BACKEND=$$backend $(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS) tests || exit 1; \
 	done
 
 bench: install

@@ -14,6 +14,7 @@ from typing import Any
 
 import keras
 from keras import ops, tree
+from keras.src.backend.common.masking import get_keras_mask
 
 from pergrad.backend import adapter
 
@@ -22,7 +23,7 @@ from pergrad.backend import adapter
 # share a stream and never reuse the model's (distinct for B < 53,000 in int32).
 _SEED_STRIDE = 40503
 
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", None, "none")
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 def _flat_losses(loss):
@@ -143,10 +144,17 @@ class PerExampleProblem:
         elif reductions == {"sum"}:
             self.sum_reduction = True
         else:
+            unreduced = (
+                " An unreduced loss (reduction None or 'none') is not a batch loss: Keras's "
+                "fit() sums it on TensorFlow and cannot differentiate it on JAX or torch."
+                if reductions & {None, "none"}
+                else ""
+            )
             raise ValueError(
                 f"Loss reductions {sorted(map(str, reductions))} cannot be split into "
                 "per-example losses whose mean is the batch loss. Use "
                 "'sum_over_batch_size' (the Keras default) or 'sum' for every output."
+                + unreduced
             )
         self.seed_positions = [
             i for i, v in enumerate(model.non_trainable_variables) if _is_seed_state(v)
@@ -180,8 +188,14 @@ class PerExampleProblem:
                 "defined per example, so pergrad does not support them yet. Weight "
                 "regularizers are supported."
             )
-        masks = [getattr(out, "_keras_mask", None) for out in tree.flatten(y_pred)]
-        with keras.StatelessScope():  # swallows the loss container's metric updates
+        # Not `getattr(out, "_keras_mask")`: JAX arrays cannot carry attributes, so
+        # Keras keeps their masks in a side table that only `get_keras_mask` reads.
+        masks = [get_keras_mask(out) for out in tree.flatten(y_pred)]
+        # The scope swallows the loss container's metric updates (per-output loss
+        # trackers); it must also give them values to read: Keras's JAX fit()
+        # empties every variable it carries in its state.
+        trackers = [(v, ops.zeros(v.shape, v.dtype)) for v in getattr(self.compile_loss, "variables", ())]
+        with keras.StatelessScope(state_mapping=trackers):
             loss = self.compile_loss(y, y_pred, sample_weight)
         scaled = loss if shared.get("loss_scale") is None else loss * shared["loss_scale"]
         aux = {
@@ -205,9 +219,10 @@ class PerExampleProblem:
         """Eager checks that need a forward pass on one example."""
         if self._checked:
             return
-        first = _map(lambda t: t[:1], x)
+        # Tensors, as Keras gives a loss: a NumPy target minus a torch tensor fails.
+        first = _map(lambda t: ops.convert_to_tensor(t)[:1], x)
         y_pred = self.model(first, training=False)
-        y_first = _map(lambda t: t[:1], y)
+        y_first = _map(lambda t: ops.convert_to_tensor(t)[:1], y)
         flat_pred = tree.flatten(y_pred)
         flat_true = tree.flatten(y_first) if y_first is not None else []
         if len(self._user_losses) == 1 and len(flat_pred) == 1 and flat_true:
@@ -235,8 +250,9 @@ class PerExampleProblem:
         ``L_i``, ``aux["y_pred"]`` the predictions, ``aux["seeds"]`` the advanced
         seed states (to be assigned back), all computed in the same pass. With
         ``loss_scale`` (mixed precision), each loss is differentiated times that
-        scale and the gradients are divided by it again: callers get unscaled
-        gradients.
+        scale (divided by the batch size for mean reductions, as in the batched
+        backward pass) and the gradients are divided by it again: callers get
+        unscaled gradients.
         """
         x, y = _map(ops.convert_to_tensor, x), _map(ops.convert_to_tensor, y)
         batch_size = ops.shape(tree.flatten(x)[0])[0]
@@ -244,10 +260,19 @@ class PerExampleProblem:
         if y is not None:
             batched["y"] = y
         if sample_weight is not None:
+            # A copy: Keras multiplies the weights by the mask in place
+            # (`sample_weight *= float_mask` in keras.losses.loss.apply_mask), which
+            # on torch would write through to the caller's tensor.
             batched["sample_weight"] = _map(
-                lambda t: ops.cast(t, keras.backend.floatx()), sample_weight
+                lambda t: ops.copy(ops.cast(t, keras.backend.floatx())), sample_weight
             )
         non_trainable_values = list(non_trainable_values)
+        if loss_scale is not None and not self.sum_reduction:
+            # Example i's share of the batch's mean loss is L_i / B: scaling by
+            # loss_scale / B gives the per-example backward pass the magnitudes of
+            # Keras's batched one, so float16 intermediates overflow (and the
+            # LossScaleOptimizer skips a step) exactly when plain fit() would.
+            loss_scale = ops.cast(loss_scale, "float32") / ops.cast(batch_size, "float32")
         if self.seed_positions:
             batched["seeds"] = [
                 self._example_seeds(non_trainable_values[p], batch_size)

@@ -117,6 +117,8 @@ class PerExampleModel(keras.Model):
     def _loss_scale(self):
         optimizer = self.optimizer
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            if not optimizer.built:  # TF's fit() builds it lazily, in the first step
+                optimizer.build(self.model.trainable_variables)
             return optimizer.dynamic_scale
         return None
 
@@ -144,8 +146,11 @@ class PerExampleModel(keras.Model):
         if regularization is not None:
             result = [g + ops.cast(r, g.dtype) for g, r in zip(result, regularization)]
         nan = ops.convert_to_tensor(float("nan"))
-        finite = _all_finite(per_example)
-        result = [ops.where(finite, g, ops.cast(nan, g.dtype)) for g in result]
+        if not getattr(self.aggregator, "differentially_private", False):
+            # A DP rule zeroes non-finite examples itself: a NaN update would
+            # reveal, without noise, that such an example was in the batch.
+            finite = _all_finite(per_example)
+            result = [ops.where(finite, g, ops.cast(nan, g.dtype)) for g in result]
         if loss_scale is not None:  # LossScaleOptimizer expects scaled gradients
             result = [g * ops.cast(loss_scale, g.dtype) for g in result]
         y_pred = aux["y_pred"]
@@ -153,13 +158,22 @@ class PerExampleModel(keras.Model):
             _set_mask(tree.flatten(y_pred)[0], aux["mask"])
         return result, y_pred, aux["seeds"]
 
-    def _check_batch(self, x):
+    def _check_batch(self, x, y):
+        # The loss's per-example checks, as `per_example_gradients` makes them (once).
+        self._problem()._check_once(x, y)
         size = tree.flatten(x)[0].shape[0]
         minimum = self.aggregator.min_batch_size
+        message = (
+            f"Aggregator {self.aggregator.name!r} needs batches of at least {minimum} "
+            f"examples; got a batch of {{}}."
+        )
         if size is not None and size < minimum:
-            raise ValueError(
-                f"Aggregator {self.aggregator.name!r} needs batches of at least {minimum} "
-                f"examples; got a batch of {size}."
+            raise ValueError(message.format(size))
+        if size is None and minimum > 1:
+            # TF retraces fit()'s step with an unknown batch size once batches differ
+            # (a smaller last batch): check when the step runs.
+            adapter().assert_at_least(
+                ops.shape(tree.flatten(x)[0])[0], minimum, message.format("fewer")
             )
 
     if _BACKEND == "jax":
@@ -167,9 +181,16 @@ class PerExampleModel(keras.Model):
         def train_step(self, state, data):
             trainable, non_trainable, optimizer_variables, metrics_variables = state
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            self._check_batch(x)
+            # Keras's JAX fit() empties the variables: the check's forward pass reads
+            # the values of the state instead (and any assignment is dropped).
+            values = list(zip(self.trainable_variables, trainable))
+            values += list(zip(self.non_trainable_variables, non_trainable))
+            with keras.StatelessScope(state_mapping=values):
+                self._check_batch(x, y)
             inner = self._inner_non_trainable_positions()
             mapping = list(zip(self.non_trainable_variables, non_trainable))
+            # The optimizer's too: a LossScaleOptimizer's scale is read from its state.
+            mapping += list(zip(self.optimizer.variables, optimizer_variables))
             with keras.StatelessScope(state_mapping=mapping) as scope:
                 grads, y_pred, seeds = self._aggregated_gradients(
                     trainable, [non_trainable[i] for i in inner], x, y, sample_weight
@@ -202,7 +223,7 @@ class PerExampleModel(keras.Model):
 
         def train_step(self, data):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            self._check_batch(x)
+            self._check_batch(x, y)
             variables = self.model.non_trainable_variables
             grads, y_pred, seeds = self._aggregated_gradients(
                 [v.value for v in self.model.trainable_variables],
@@ -220,6 +241,13 @@ class PerExampleModel(keras.Model):
             with adapter().no_grad():
                 self.optimizer.apply(grads, self.model.trainable_variables)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def fit(self, x=None, y=None, *args, **kwargs):
+        if getattr(self.aggregator, "differentially_private", False):
+            from pergrad.privacy.validation import check_dp_fit
+
+            check_dp_fit(self, x)  # refuses example-mixing layers; warns without Poisson sampling
+        return super().fit(x, y, *args, **kwargs)
 
     def _inner_non_trainable_positions(self) -> list[int]:
         ids = {id(v): i for i, v in enumerate(self.non_trainable_variables)}

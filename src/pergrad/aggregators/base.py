@@ -80,15 +80,61 @@ class Aggregator(keras.layers.Layer):
     def call(self, gradients):
         gradients = list(gradients)
         size = static_batch_size(gradients)
-        if size is not None and size < self.min_batch_size:
-            raise ValueError(
-                f"Aggregator {self.name!r} needs a batch of at least "
-                f"{self.min_batch_size} examples, got {size}."
-            )
+        if size is not None:
+            self.check_batch_size(size)
         return self.aggregate(gradients)
+
+    def check_batch_size(self, batch_size: int) -> None:
+        """Raises a ``ValueError`` naming the rule if it is undefined for this batch size."""
+        if batch_size < self.min_batch_size:
+            raise ValueError(
+                f"Aggregator {self.name!r} ({type(self).__name__}) needs a batch of at least "
+                f"{self.min_batch_size} examples, got {batch_size}.{self.batch_size_requirement()}"
+            )
+
+    def batch_size_requirement(self) -> str:
+        """Why ``min_batch_size`` is what it is, appended to the batch size error."""
+        return ""
 
     def aggregate(self, gradients: list) -> list:
         raise NotImplementedError
+
+    # -- use as a pre-processing step of ``chain`` -------------------------------------
+
+    def preprocess(self, gradients: list) -> list:
+        """Maps per-example gradients ``(B, ...)`` to ``(B', ...)`` for the next step of a chain.
+
+        Only rules that have a natural per-example form (clipping, bucketing,
+        filtering) implement it.
+        """
+        raise TypeError(
+            f"{type(self).__name__} is not a pre-processing step: only its aggregate is "
+            "defined. Put it last in chain(...)."
+        )
+
+    def can_preprocess(self) -> bool:
+        """Whether this rule can be a pre-processing step (not last) of a chain."""
+        return type(self).preprocess is not Aggregator.preprocess
+
+    def output_batch_size(self, batch_size: int) -> int:
+        """``B'``: how many rows :meth:`preprocess` returns for ``batch_size`` examples."""
+        return batch_size
+
+    # -- saving: Keras does not save SeedGenerator states; aggregators do -------------
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        for index, generator in enumerate(self._seed_generators):
+            store[f"seed_generator_{index}"] = generator.state
+
+    def load_own_variables(self, store):
+        seeds = {key for key in store.keys() if str(key).startswith("seed_generator_")}
+        own = {key: store[key] for key in store.keys() if key not in seeds}
+        super().load_own_variables(own)
+        for index, generator in enumerate(self._seed_generators):
+            key = f"seed_generator_{index}"
+            if key in seeds:
+                generator.state.assign(store[key])
 
     def report(self, name: str, value) -> None:
         """Records a diagnostic value (a scalar) of the current call."""
@@ -171,6 +217,39 @@ class WeightedAggregator(Aggregator):
     def aggregate(self, gradients):
         stats = ExampleStatistics.from_gradients(gradients, gram=self.needs_gram)
         return self.finalize(weighted_sum(gradients, self.example_weights(stats)))
+
+
+def scale_examples(gradients, scales) -> list:
+    """Multiplies example i's gradient by ``scales[i]`` (``(B,)``) or ``scales[i, k]`` (``(B, V)``)."""
+    out = []
+    for k, g in enumerate(gradients):
+        s = scales if len(scales.shape) == 1 else scales[:, k]
+        out.append(g * ops.reshape(ops.cast(s, g.dtype), (-1,) + (1,) * (len(g.shape) - 1)))
+    return out
+
+
+@_serializable
+class ScaledMean(WeightedAggregator):
+    """The mean of per-example gradients, each rescaled by a factor from its norms.
+
+    Subclasses (clipping, normalization) implement :meth:`example_scales`. As a
+    pre-processing step of :func:`~pergrad.aggregators.chain` the rescaled
+    gradients are passed on, one per example, instead of being averaged.
+    """
+
+    #: Whether the scales are per variable (``(B, V)``) rather than flat (``(B,)``).
+    per_layer: bool = False
+
+    def example_scales(self, stats: ExampleStatistics):
+        """Returns ``(B,)`` factors, or ``(B, V)`` with ``per_layer``."""
+        raise NotImplementedError
+
+    def example_weights(self, stats: ExampleStatistics):
+        return self.example_scales(stats) / ops.cast(stats.batch_size, "float32")
+
+    def preprocess(self, gradients):
+        stats = ExampleStatistics.from_gradients(gradients)
+        return scale_examples(gradients, self.example_scales(stats))
 
 
 @_serializable

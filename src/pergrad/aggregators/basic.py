@@ -10,6 +10,7 @@ from keras import ops
 from pergrad.aggregators.base import (
     CoordinateAggregator,
     ExampleStatistics,
+    ScaledMean,
     WeightedAggregator,
     register,
 )
@@ -85,7 +86,7 @@ class TrimmedMean(CoordinateAggregator):
 
 
 @_serializable
-class Clip(WeightedAggregator):
+class Clip(ScaledMean):
     """Per-example L2 clipping, then the mean (Abadi et al., 2016, DP-SGD
     without noise).
 
@@ -95,6 +96,16 @@ class Clip(WeightedAggregator):
 
     Reports ``clipped_fraction``: the fraction of examples (per-variable norms
     counted separately with ``per_layer``) whose norm exceeded ``l2_norm``.
+
+    In :func:`~pergrad.aggregators.chain`, a pre-processing step that clips each
+    example and passes it on.
+
+    Args:
+        l2_norm: the clipping threshold ``C > 0``.
+        per_layer: clip each variable's gradient to ``l2_norm`` separately.
+
+    References:
+        Abadi et al., 2016, "Deep learning with differential privacy", CCS.
     """
 
     diagnostics = ("clipped_fraction",)
@@ -112,8 +123,8 @@ class Clip(WeightedAggregator):
         self.report("clipped_fraction", ops.mean(ops.cast(norms > self.l2_norm, "float32")))
         return self.l2_norm / ops.maximum(norms, self.l2_norm)
 
-    def example_weights(self, stats: ExampleStatistics):
-        return self.clip_factors(stats) / ops.cast(stats.batch_size, "float32")
+    def example_scales(self, stats: ExampleStatistics):
+        return self.clip_factors(stats)
 
     def get_config(self):
         return {**super().get_config(), "l2_norm": self.l2_norm, "per_layer": self.per_layer}

@@ -16,6 +16,12 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
     return jax.lax.map(single, batched, batch_size=microbatch_size)
 
 
+def assert_at_least(value, minimum, message):
+    """Shapes are always known here (JAX retraces per shape, torch runs eagerly)."""
+    if int(value) < minimum:
+        raise ValueError(message)
+
+
 def no_grad():
     return contextlib.nullcontext()
 

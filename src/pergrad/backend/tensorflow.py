@@ -36,20 +36,30 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
     def vectorized(examples):
         return tf.vectorized_map(single, examples, fallback_to_while_loop=True)
 
+    def loop(error):
+        # pfor cannot differentiate some graphs (the while loop of an RNN layer
+        # with a mask is one); a graph-level loop over examples gives the same values.
+        warnings.warn(
+            "tf.vectorized_map could not vectorize the per-example gradient "
+            f"({type(error).__name__}: {str(error).strip().splitlines()[-1]}); "
+            "falling back to tf.map_fn, which is correct but much slower.",
+            stacklevel=4,
+        )
+        spec = _output_spec(single, _spec(batched, []))
+        return tf.map_fn(single, batched, fn_output_signature=spec)
+
     if microbatch_size is None:
         try:
-            return vectorized(batched)
+            # In a function of its own: inside fit()'s graph, a conversion that fails
+            # half-way would otherwise leave its stateful ops in the caller's graph,
+            # where they run (and fail) at execution time.
+            return tf.function(vectorized, autograph=False)(batched)
         except (TypeError, ValueError) as error:
-            # pfor cannot differentiate some graphs (the while loop of an RNN layer
-            # is one); a graph-level loop over examples gives the same values.
-            warnings.warn(
-                "tf.vectorized_map could not vectorize the per-example gradient "
-                f"({type(error).__name__}: {str(error).strip().splitlines()[-1]}); "
-                "falling back to tf.map_fn, which is correct but much slower.",
-                stacklevel=3,
-            )
-            spec = _output_spec(single, _spec(batched, []))
-            return tf.map_fn(single, batched, fn_output_signature=spec)
+            return loop(error)
+    try:
+        out_spec = _output_spec(vectorized, _spec(batched, [microbatch_size]))
+    except (TypeError, ValueError) as error:
+        return loop(error)  # one example at a time: within any microbatch size
     leaves = tf.nest.flatten(batched)
     batch_size = tf.shape(leaves[0])[0]
     num_chunks = (batch_size + microbatch_size - 1) // microbatch_size
@@ -60,7 +70,6 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
         return tf.reshape(t, tf.concat([[num_chunks, microbatch_size], tf.shape(t)[1:]], 0))
 
     chunks = tf.nest.map_structure(to_chunks, batched)
-    out_spec = _output_spec(vectorized, _spec(batched, [microbatch_size]))
     out = tf.map_fn(vectorized, chunks, fn_output_signature=out_spec)
 
     def from_chunks(t):
@@ -71,6 +80,12 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
 
 def no_grad():
     return contextlib.nullcontext()
+
+
+def assert_at_least(value, minimum, message):
+    """Fails at run time (``InvalidArgumentError``) when ``value < minimum``; for
+    sizes unknown while tracing."""
+    tf.debugging.assert_greater_equal(value, tf.cast(minimum, value.dtype), message=message)
 
 
 def grad(fn, params):

@@ -35,7 +35,26 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
 
     vectorized = torch.func.vmap(single, randomness="different", chunk_size=microbatch_size)
     with torch.enable_grad(), _IgnoreMemoryLayout():
-        return vectorized(batched)
+        try:
+            return vectorized(batched)
+        except RuntimeError as error:
+            if "vmap" not in str(error) or ".item()" not in str(error):
+                raise
+            raise NotImplementedError(
+                "torch.func.vmap cannot compute per-example gradients of this model: its "
+                "forward pass turns a tensor into a Python number. Keras on torch does "
+                "this for every random layer that draws from a seed "
+                "(Dropout(seed=...), GaussianNoise, GaussianDropout, ...): it builds a "
+                "torch.Generator from the seed's value. Use Dropout without a seed "
+                "(keras.utils.set_random_seed seeds it), run the pass with "
+                "training=False, or use the TensorFlow or JAX backend."
+            ) from error
+
+
+def assert_at_least(value, minimum, message):
+    """Shapes are always known here (JAX retraces per shape, torch runs eagerly)."""
+    if int(value) < minimum:
+        raise ValueError(message)
 
 
 def no_grad():

@@ -1,0 +1,254 @@
+"""Composition: pre-processing steps before a final rule, and bucketing.
+
+A pre-processing step maps per-example gradients ``(B, ...)`` to ``(B', ...)``
+(a list aligned with the trainable variables, like the aggregator's input):
+clipping and automatic clipping rescale each example (``B' = B``),
+``norm_filter(drop_fraction=...)`` keeps the examples with the smallest norms,
+``bucketing(size)`` averages random buckets (``B' = ceil(B / size)``).
+:func:`chain` runs such steps in order and hands the result to its last rule::
+
+    chain(clip(1.0), bucketing(2), median())
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+from keras import ops
+
+from pergrad.aggregators.base import (
+    ARBITRARY,
+    STATISTICS,
+    Aggregator,
+    ExampleStatistics,
+    ScaledMean,
+    WeightedAggregator,
+    batch_size_of,
+    get,
+)
+
+
+def _serializable(cls):
+    return keras.saving.register_keras_serializable(package="pergrad")(cls)
+
+
+def _scaled_statistics(stats: ExampleStatistics, scales) -> ExampleStatistics:
+    """Statistics of ``s_i g_i`` (flat ``(B,)`` scales) or ``s_ik g_ik`` (``(B, V)``)."""
+    if len(scales.shape) == 1:
+        gram = None if stats.gram is None else scales[:, None] * stats.gram * scales[None, :]
+        return ExampleStatistics(stats.squared_norms * (scales * scales)[:, None], gram)
+    return ExampleStatistics(stats.squared_norms * scales * scales, None)
+
+
+def _multiply_weights(first, second):
+    if len(first.shape) == len(second.shape):
+        return first * second
+    if len(first.shape) == 1:
+        return first[:, None] * second
+    return first * second[:, None]
+
+
+@_serializable
+class Chain(WeightedAggregator):
+    """Pre-processing steps, then a final rule.
+
+    Every step but the last must be a pre-processing step (``clip``,
+    ``automatic_clip``, ``norm_filter(drop_fraction=...)``, ``bucketing(size)``);
+    the last is any aggregator. Diagnostics of all steps are reported (a name
+    reported by two steps becomes ``step<i>_<name>``).
+
+    The kind is ``"statistics"`` when the final rule is and every step before it
+    rescales examples (clipping, automatic clipping), flat ones if the final rule
+    reads the Gram matrix: then ``s_i g_i`` has squared norms ``s_i^2 ||g_i||^2``
+    and Gram matrix ``s_i s_j G_ij``, and the result is ``sum_i s_i w_i g_i``.
+    Otherwise the kind is ``"arbitrary"``: the steps run on the gradients.
+
+    Args:
+        steps: the steps, in order; aggregators or their names.
+    """
+
+    def __init__(self, steps, **kwargs):
+        super().__init__(**kwargs)
+        steps = [get(step) for step in steps]
+        if not steps:
+            raise ValueError("chain needs at least one step.")
+        for step in steps[:-1]:
+            if not step.can_preprocess():
+                raise ValueError(
+                    f"{type(step).__name__} cannot be a pre-processing step of chain: only "
+                    "clip, automatic_clip, norm_filter(drop_fraction=...) and bucketing(size) "
+                    "(without an aggregator) can come before the last rule."
+                )
+        self.steps = steps
+        final = steps[-1]
+        scalings = all(isinstance(step, ScaledMean) for step in steps[:-1])
+        flat = not any(getattr(step, "per_layer", False) for step in steps[:-1])
+        if final.kind == STATISTICS and scalings and (flat or not final.needs_gram):
+            self.kind = STATISTICS
+            self.needs_gram = final.needs_gram
+        else:
+            self.kind = ARBITRARY
+        names = [name for step in steps for name in step.diagnostics]
+        self._report_names = [
+            {name: name if names.count(name) == 1 else f"step{i}_{name}" for name in step.diagnostics}
+            for i, step in enumerate(steps)
+        ]
+        self.diagnostics = tuple(n for renames in self._report_names for n in renames.values())
+        self.min_batch_size = self._smallest_batch()
+
+    def _smallest_batch(self, limit: int = 1_000_000) -> int:
+        for batch_size in range(1, limit):
+            size = batch_size
+            for step in self.steps:
+                if size < step.min_batch_size:
+                    break
+                size = step.output_batch_size(size)
+            else:
+                return batch_size
+        raise ValueError(f"No batch size below {limit} satisfies every step of the chain.")
+
+    def batch_size_requirement(self):
+        return " " + ", ".join(
+            f"{type(step).__name__} needs {step.min_batch_size}" for step in self.steps
+        ) + " (after the previous steps)."
+
+    def build(self, shapes):
+        for step in self.steps:
+            if not step.built:
+                step.build(shapes)
+        self.built = True
+
+    def example_weights(self, stats: ExampleStatistics):
+        scales = None
+        for step in self.steps[:-1]:
+            step_scales = step.example_scales(stats)
+            stats = _scaled_statistics(stats, step_scales)
+            scales = step_scales if scales is None else _multiply_weights(scales, step_scales)
+        weights = self.steps[-1].example_weights(stats)
+        return weights if scales is None else _multiply_weights(scales, weights)
+
+    def finalize(self, result):
+        return self.steps[-1].finalize(result)
+
+    def aggregate(self, gradients):
+        if self.kind == STATISTICS:
+            return super().aggregate(gradients)
+        for step in self.steps[:-1]:
+            gradients = step.preprocess(gradients)
+        return self.steps[-1](gradients)
+
+    def pop_reports(self):
+        reports = super().pop_reports()
+        for step, renames in zip(self.steps, self._report_names):
+            for name, value in step.pop_reports().items():
+                reports[renames[name]] = value
+        return reports
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "steps": [keras.saving.serialize_keras_object(step) for step in self.steps],
+        }
+
+
+@_serializable
+class Bucketing(Aggregator):
+    """Bucketing: random buckets of examples averaged, then a robust rule.
+
+    Each call draws a random permutation of the batch (from a
+    ``keras.random.SeedGenerator`` the aggregator owns: reproducible under
+    ``keras.utils.set_random_seed``, usable under jit, saved with the model),
+    splits it into ``ceil(B / size)`` consecutive buckets of ``size`` examples
+    (the last one smaller when ``size`` does not divide ``B``) and averages each
+    bucket. The bucket means go to ``aggregator``; without one, this is a
+    pre-processing step of :func:`chain`. Kind ``"arbitrary"``.
+
+    Args:
+        size: examples per bucket (``s`` in the paper).
+        aggregator: the rule applied to the bucket means, or ``None``.
+        seed: an integer for the permutation stream; ``None`` draws one from
+            Python's global RNG (set by ``keras.utils.set_random_seed``).
+
+    References:
+        Karimireddy, He, Jaggi, 2022, "Byzantine-robust learning on
+        heterogeneous datasets via bucketing", ICLR.
+    """
+
+    kind = ARBITRARY
+
+    def __init__(self, size: int, aggregator=None, seed: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        if int(size) != size or size < 1:
+            raise ValueError(f"bucketing size must be a positive integer, got {size}.")
+        self.size = int(size)
+        self.aggregator = None if aggregator is None else get(aggregator)
+        self.seed = seed
+        self.seed_generator = keras.random.SeedGenerator(seed)
+        if self.aggregator is not None:
+            self.diagnostics = tuple(self.aggregator.diagnostics)
+            self.min_batch_size = (self.aggregator.min_batch_size - 1) * self.size + 1
+
+    def batch_size_requirement(self):
+        return (
+            f" Bucketing with size={self.size} makes ceil(B / {self.size}) buckets and "
+            f"{type(self.aggregator).__name__} needs {self.aggregator.min_batch_size} of them."
+        )
+
+    def can_preprocess(self) -> bool:
+        return self.aggregator is None
+
+    def output_batch_size(self, batch_size: int) -> int:
+        return math.ceil(batch_size / self.size)
+
+    def build(self, shapes):
+        if self.aggregator is not None and not self.aggregator.built:
+            self.aggregator.build(shapes)
+        self.built = True
+
+    def preprocess(self, gradients):
+        batch_size = batch_size_of(gradients)
+        permutation = ops.argsort(keras.random.uniform((batch_size,), seed=self.seed_generator))
+        if isinstance(batch_size, int):
+            count = math.ceil(batch_size / self.size)
+        else:
+            count = (batch_size + self.size - 1) // self.size
+        bucket = ops.arange(batch_size) // self.size
+        membership = ops.cast(ops.arange(count)[:, None] == bucket[None, :], "float32")
+        averaging = membership / ops.sum(membership, axis=1, keepdims=True)
+        means = []
+        for g in gradients:
+            flat = ops.reshape(ops.take(g, permutation, axis=0), (-1, math.prod(g.shape[1:])))
+            mean = ops.matmul(ops.cast(averaging, g.dtype), flat)
+            means.append(ops.reshape(mean, (-1,) + tuple(g.shape[1:])))
+        return means
+
+    def aggregate(self, gradients):
+        if self.aggregator is None:
+            raise TypeError(
+                "bucketing(size) without an aggregator is a pre-processing step: use "
+                "bucketing(size, aggregator) or chain(bucketing(size), aggregator)."
+            )
+        return self.aggregator(self.preprocess(gradients))
+
+    def pop_reports(self):
+        reports = super().pop_reports()
+        if self.aggregator is not None:
+            reports.update(self.aggregator.pop_reports())
+        return reports
+
+    def get_config(self):
+        aggregator = self.aggregator
+        if aggregator is not None:
+            aggregator = keras.saving.serialize_keras_object(aggregator)
+        return {**super().get_config(), "size": self.size, "aggregator": aggregator, "seed": self.seed}
+
+
+def chain(*steps) -> Chain:
+    """Pre-processing steps, then a final rule: ``chain(clip(1.0), bucketing(2), median())``."""
+    return Chain(list(steps))
+
+
+def bucketing(size: int, aggregator=None, seed: int | None = None) -> Bucketing:
+    """Averages random buckets of ``size`` examples, then applies ``aggregator``."""
+    return Bucketing(size, aggregator, seed=seed)

@@ -1,0 +1,394 @@
+"""Byzantine-robust rules: MeaMed, Krum, geometric median, centered clipping,
+sign majority and a norm filter.
+
+A rule that tolerates a fraction of bad examples takes it as ``byzantine``:
+``f = floor(byzantine * B)`` examples of a batch of ``B`` may be arbitrary.
+Rules that need the Gram matrix ``G_ij = <g_i, g_j>`` (Krum, geometric median)
+work in B-space only (DESIGN §2): a pairwise squared distance is
+``G_ii + G_jj - 2 G_ij`` and the distance from ``g_i`` to ``z = sum_j w_j g_j``
+is ``G_ii - 2 (G w)_i + w^T G w``; no ``B x B x P`` tensor is ever built.
+
+Everything here is ``keras.ops`` and works with a batch size only known at run
+time (TensorFlow retraces a partial last batch with an unknown batch size).
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+from keras import ops
+
+from pergrad.aggregators.base import (
+    ARBITRARY,
+    Aggregator,
+    CoordinateAggregator,
+    ExampleStatistics,
+    WeightedAggregator,
+    batch_size_of,
+    register,
+    weighted_sum,
+)
+
+
+def _serializable(cls):
+    return keras.saving.register_keras_serializable(package="pergrad")(cls)
+
+
+def _check_fraction(name: str, value: float) -> float:
+    if not 0.0 <= value < 0.5:
+        raise ValueError(f"{name} must be in [0, 0.5), got {value}.")
+    return float(value)
+
+
+def _count(fraction: float, batch_size):
+    """``floor(fraction * B)``: a Python int for a static batch size, else an int32 tensor."""
+    if isinstance(batch_size, int):
+        return math.floor(fraction * batch_size)
+    return ops.cast(ops.floor(fraction * ops.cast(batch_size, "float32")), "int32")
+
+
+def _ranks(values):
+    """Rank of each entry of a vector in ascending order (ties broken by position)."""
+    return ops.argsort(ops.argsort(values))
+
+
+def _float(value):
+    return ops.cast(value, "float32")
+
+
+@_serializable
+class MeaMed(CoordinateAggregator):
+    """Mean around the median (MeaMed), coordinate by coordinate.
+
+    For each coordinate, takes the median of the ``B`` values and averages the
+    ``B - f`` values closest to it, ``f = floor(byzantine * B)``.
+
+    Args:
+        byzantine: the fraction of examples that may be arbitrary, in ``[0, 0.5)``.
+
+    References:
+        Xie, Koyejo, Gupta, 2018, "Generalized Byzantine-tolerant SGD",
+        arXiv:1802.10116.
+    """
+
+    def __init__(self, byzantine: float = 0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.byzantine = _check_fraction("byzantine", byzantine)
+
+    def aggregate_variable(self, gradient):
+        batch_size = ops.shape(gradient)[0]
+        kept = batch_size - _count(self.byzantine, batch_size)
+        median = ops.median(gradient, axis=0)
+        order = ops.argsort(ops.abs(gradient - median[None]), axis=0)
+        nearest = ops.take_along_axis(gradient, order, axis=0)
+        rows = ops.reshape(ops.arange(batch_size), (-1,) + (1,) * (len(gradient.shape) - 1))
+        total = ops.sum(ops.where(rows < kept, nearest, ops.zeros_like(nearest)), axis=0)
+        return total / ops.cast(kept, gradient.dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "byzantine": self.byzantine}
+
+
+@_serializable
+class Krum(WeightedAggregator):
+    """Krum and Multi-Krum: the examples closest to their neighbours.
+
+    With ``f = floor(byzantine * B)``, example i's score is the sum of its squared
+    distances to its ``B - f - 2`` nearest other examples; the result is the mean
+    of the ``select`` examples with the lowest scores (``select=1``: Krum;
+    ``select > 1``: Multi-Krum). Distances come from the Gram matrix.
+
+    Needs ``B - f - 2 >= 1`` and ``B >= select``; the paper's guarantees further
+    assume ``B > 2f + 2``. Reports ``selected_fraction`` (``select / B``).
+
+    Args:
+        byzantine: the fraction of examples that may be arbitrary, in ``[0, 0.5)``.
+        select: how many of the best-scored examples are averaged.
+
+    References:
+        Blanchard, El Mhamdi, Guerraoui, Stainer, 2017, "Machine learning with
+        adversaries: Byzantine tolerant gradient descent", NeurIPS.
+    """
+
+    needs_gram = True
+    diagnostics = ("selected_fraction",)
+
+    def __init__(self, byzantine: float = 0.1, select: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        self.byzantine = _check_fraction("byzantine", byzantine)
+        if int(select) != select or select < 1:
+            raise ValueError(f"select must be a positive integer, got {select}.")
+        self.select = int(select)
+        size = 3
+        while size - math.floor(self.byzantine * size) - 2 < 1:
+            size += 1
+        self.min_batch_size = max(size, self.select)
+
+    def batch_size_requirement(self):
+        return (
+            f" Krum scores each example by its n - f - 2 nearest neighbours, f = "
+            f"floor({self.byzantine} * n), which needs n - f - 2 >= 1, and averages "
+            f"select={self.select} of them."
+        )
+
+    def example_weights(self, stats: ExampleStatistics):
+        gram = stats.gram
+        batch_size = stats.batch_size
+        neighbours = batch_size - _count(self.byzantine, batch_size) - 2
+        squared = ops.diagonal(gram)
+        distances = ops.maximum(squared[:, None] + squared[None, :] - 2.0 * gram, 0.0)
+        index = ops.arange(batch_size)
+        distances = ops.where(index[:, None] == index[None, :], float("inf"), distances)
+        nearest = ops.sort(distances, axis=1)
+        scores = ops.sum(ops.where(index[None, :] < neighbours, nearest, 0.0), axis=1)
+        selected = _float(_ranks(scores) < self.select)
+        self.report("selected_fraction", self.select / _float(batch_size))
+        return selected / float(self.select)
+
+    def get_config(self):
+        return {**super().get_config(), "byzantine": self.byzantine, "select": self.select}
+
+
+@_serializable
+class GeometricMedian(WeightedAggregator):
+    """Geometric median by the smoothed Weiszfeld algorithm (RFA).
+
+    Starting from the mean (``w_i = 1/B``), repeats ``max_iter`` times
+    ``d_i = ||g_i - z||`` with ``z = sum_j w_j g_j``, then
+    ``w_i = (1 / max(eps, d_i)) / sum_j (1 / max(eps, d_j))``. The distances
+    come from the Gram matrix, ``d_i^2 = G_ii - 2 (G w)_i + w^T G w``, so each
+    iteration costs ``O(B^2)``; the fixed iteration count keeps the rule
+    jit-friendly (at a fixed point further iterations change nothing).
+
+    Args:
+        max_iter: Weiszfeld iterations.
+        eps: the smoothing ``nu``: distances below it count as ``eps``.
+
+    References:
+        Pillutla, Kakade, Harchaoui, 2022, "Robust aggregation for federated
+        learning", IEEE Transactions on Signal Processing (arXiv:1912.13445).
+    """
+
+    needs_gram = True
+
+    def __init__(self, max_iter: int = 10, eps: float = 1e-6, **kwargs):
+        super().__init__(**kwargs)
+        if int(max_iter) != max_iter or max_iter < 1:
+            raise ValueError(f"max_iter must be a positive integer, got {max_iter}.")
+        if not eps > 0:
+            raise ValueError(f"eps must be positive, got {eps}.")
+        self.max_iter = int(max_iter)
+        self.eps = float(eps)
+
+    def example_weights(self, stats: ExampleStatistics):
+        gram = stats.gram
+        squared = ops.diagonal(gram)
+        weights = ops.ones_like(squared) / _float(stats.batch_size)
+        for _ in range(self.max_iter):
+            gram_weights = ops.matmul(gram, weights[:, None])[:, 0]
+            distances = ops.sqrt(
+                ops.maximum(squared - 2.0 * gram_weights + ops.sum(weights * gram_weights), 0.0)
+            )
+            inverse = 1.0 / ops.maximum(distances, self.eps)
+            weights = inverse / ops.sum(inverse)
+        return weights
+
+    def get_config(self):
+        return {**super().get_config(), "max_iter": self.max_iter, "eps": self.eps}
+
+
+@_serializable
+class CenteredClip(Aggregator):
+    """Centered clipping, with its center kept across steps (stateful).
+
+    Keeps a center ``v`` (one Keras variable per trainable variable, zero at
+    first) and, ``iters`` times, moves it by the mean of the clipped deviations:
+    ``v <- v + (1/B) sum_i (g_i - v) min(1, tau / ||g_i - v||)``, the norm taken
+    over all variables. The result is the new ``v``, which the next step starts
+    from: the center is model state, saved by ``model.save()`` and restored by
+    ``keras.models.load_model()``. Reports ``clipped_fraction`` (last iteration).
+
+    Kind ``"arbitrary"``: ``||g_i - v||`` needs ``<g_i, v>``, which per-example
+    norms and the Gram matrix do not give.
+
+    Args:
+        tau: the clipping radius around the center, ``> 0``.
+        iters: clipping iterations per step.
+
+    References:
+        Karimireddy, He, Jaggi, 2021, "Learning from history for Byzantine
+        robust optimization", ICML.
+    """
+
+    kind = ARBITRARY
+    diagnostics = ("clipped_fraction",)
+
+    def __init__(self, tau: float, iters: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        if not tau > 0:
+            raise ValueError(f"tau must be positive, got {tau}.")
+        if int(iters) != iters or iters < 1:
+            raise ValueError(f"iters must be a positive integer, got {iters}.")
+        self.tau = float(tau)
+        self.iters = int(iters)
+        self.center = []
+
+    def build(self, shapes):
+        self.center = [
+            self.add_weight(
+                shape=tuple(shape[1:]), initializer="zeros", trainable=False, name=f"center_{k}"
+            )
+            for k, shape in enumerate(shapes)
+        ]
+        self.built = True
+
+    def aggregate(self, gradients):
+        center = [ops.cast(v.value, g.dtype) for v, g in zip(self.center, gradients)]
+        batch_size = _float(batch_size_of(gradients))
+        for _ in range(self.iters):
+            deviations = [g - c[None] for g, c in zip(gradients, center)]
+            norms = ops.sqrt(ExampleStatistics.from_gradients(deviations).flat_squared_norms)
+            factors = self.tau / ops.maximum(norms, self.tau)
+            steps = weighted_sum(deviations, factors / batch_size)
+            center = [c + s for c, s in zip(center, steps)]
+        self.report("clipped_fraction", ops.mean(_float(norms > self.tau)))
+        for variable, value in zip(self.center, center):
+            variable.assign(ops.cast(value, variable.dtype))
+        return center
+
+    def get_config(self):
+        return {**super().get_config(), "tau": self.tau, "iters": self.iters}
+
+
+@_serializable
+class SignMajority(CoordinateAggregator):
+    """Majority vote of signs: ``sign(sum_i sign(g_i))`` per coordinate.
+
+    The result has entries in ``{-1, 0, 1}``; the optimizer's learning rate sets
+    the step size (use plain SGD for signSGD).
+
+    References:
+        Bernstein, Zhao, Azizzadenesheli, Anandkumar, 2019, "signSGD with
+        majority vote is communication efficient and fault tolerant", ICLR.
+    """
+
+    def aggregate_variable(self, gradient):
+        return ops.sign(ops.sum(ops.sign(gradient), axis=0))
+
+
+@_serializable
+class NormFilter(WeightedAggregator):
+    """Drops examples whose gradient norm is an outlier and averages the rest.
+
+    The norm is the flat L2 norm over all variables. Exactly one rule:
+
+    - ``factor``: example i is dropped when ``||g_i|| > factor * median_j ||g_j||``
+      (the median is that of ``numpy.median``; with ``factor >= 1`` at least
+      half the batch is kept);
+    - ``drop_fraction``: the ``floor(drop_fraction * B)`` examples with the
+      largest norms are dropped (ties broken by position).
+
+    Kept examples get weight ``1 / (number kept)``, dropped ones zero. Reports
+    ``rejected_fraction``. With ``drop_fraction`` (a count fixed by ``B``) it can
+    also be a pre-processing step of :func:`~pergrad.aggregators.chain`, passing
+    the kept examples on.
+
+    Args:
+        factor: the outlier threshold relative to the median norm, ``>= 1``.
+        drop_fraction: the fraction of largest-norm examples dropped, in ``[0, 1)``.
+
+    References:
+        Gupta, Liu, Vaidya, 2021, "Byzantine fault-tolerant distributed machine
+        learning with norm-based comparative gradient elimination", DSN-W
+        (the ``drop_fraction`` rule; ``factor`` is its data-adaptive variant).
+    """
+
+    diagnostics = ("rejected_fraction",)
+
+    def __init__(self, factor: float | None = None, drop_fraction: float | None = None, **kwargs):
+        super().__init__(**kwargs)
+        if factor is None and drop_fraction is None:
+            factor = 3.0
+        if factor is not None and drop_fraction is not None:
+            raise ValueError("norm_filter takes either factor or drop_fraction, not both.")
+        if factor is not None and not factor >= 1.0:
+            raise ValueError(f"factor must be at least 1, got {factor}.")
+        if drop_fraction is not None and not 0.0 <= drop_fraction < 1.0:
+            raise ValueError(f"drop_fraction must be in [0, 1), got {drop_fraction}.")
+        self.factor = None if factor is None else float(factor)
+        self.drop_fraction = None if drop_fraction is None else float(drop_fraction)
+
+    def _kept(self, stats: ExampleStatistics):
+        norms = ops.sqrt(stats.flat_squared_norms)
+        if self.factor is not None:
+            kept = norms <= self.factor * ops.median(norms)
+        else:
+            batch_size = stats.batch_size
+            kept = _ranks(norms) < batch_size - _count(self.drop_fraction, batch_size)
+        self.report("rejected_fraction", 1.0 - ops.mean(_float(kept)))
+        return kept
+
+    def example_weights(self, stats: ExampleStatistics):
+        kept = _float(self._kept(stats))
+        return kept / ops.sum(kept)
+
+    def can_preprocess(self) -> bool:
+        return self.drop_fraction is not None
+
+    def output_batch_size(self, batch_size: int) -> int:
+        return batch_size - math.floor(self.drop_fraction * batch_size)
+
+    def preprocess(self, gradients):
+        if self.drop_fraction is None:
+            raise TypeError(
+                "norm_filter(factor=...) keeps a data-dependent number of examples, so it "
+                "can only be the last step of chain(...); use norm_filter(drop_fraction=...) "
+                "to filter before another rule."
+            )
+        stats = ExampleStatistics.from_gradients(gradients)
+        norms = stats.flat_squared_norms
+        batch_size = batch_size_of(gradients)
+        self._kept(stats)
+        kept = ops.sort(ops.argsort(norms)[: batch_size - _count(self.drop_fraction, batch_size)])
+        return [ops.take(g, kept, axis=0) for g in gradients]
+
+    def get_config(self):
+        return {**super().get_config(), "factor": self.factor, "drop_fraction": self.drop_fraction}
+
+
+register("meamed")(MeaMed)
+register("krum")(Krum)
+register("geometric_median")(GeometricMedian)
+register("sign_majority")(SignMajority)
+register("norm_filter")(NormFilter)
+
+
+def meamed(byzantine: float = 0.1) -> MeaMed:
+    """Per coordinate, the mean of the ``B - floor(byzantine * B)`` values closest to the median."""
+    return MeaMed(byzantine)
+
+
+def krum(byzantine: float = 0.1, select: int = 1) -> Krum:
+    """Krum (``select=1``) or Multi-Krum: the mean of the ``select`` best-scored examples."""
+    return Krum(byzantine, select)
+
+
+def geometric_median(max_iter: int = 10, eps: float = 1e-6) -> GeometricMedian:
+    """The geometric median by ``max_iter`` smoothed Weiszfeld iterations."""
+    return GeometricMedian(max_iter, eps)
+
+
+def centered_clip(tau: float, iters: int = 1) -> CenteredClip:
+    """Centered clipping around a center kept across steps (stateful)."""
+    return CenteredClip(tau, iters)
+
+
+def sign_majority() -> SignMajority:
+    """The sign of the sum of the per-example signs, per coordinate."""
+    return SignMajority()
+
+
+def norm_filter(factor: float | None = None, drop_fraction: float | None = None) -> NormFilter:
+    """The mean of the examples whose norm is not an outlier (default ``factor=3``)."""
+    return NormFilter(factor, drop_fraction)

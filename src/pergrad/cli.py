@@ -1,0 +1,39 @@
+"""Command line: ``pergrad demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pergrad", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser(
+        "demo", help="train on scikit-learn's digits with several aggregators, clean and corrupted"
+    )
+    demo.add_argument("--epochs", type=int, default=12)
+    demo.add_argument("--batch-size", type=int, default=64)
+    demo.add_argument("--corrupted-fraction", type=float, default=0.2)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", default="demo_output", help="folder for the PNG ('' for none)")
+    demo.add_argument("--no-dp", action="store_true", help="skip the DP-SGD run")
+    args = parser.parse_args(argv)
+
+    if args.command == "demo":
+        from pergrad import demo as demo_module
+
+        demo_module.run(
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            corrupted_fraction=args.corrupted_fraction,
+            seed=args.seed,
+            out_dir=args.out,
+            dp=not args.no_dp,
+            echo=lambda line: print(line, flush=True),
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

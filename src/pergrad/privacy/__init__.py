@@ -1,0 +1,62 @@
+"""Differentially private training: DP-SGD's aggregator, Poisson sampling, accounting.
+
+A DP-SGD recipe::
+
+    sampler = pergrad.privacy.PoissonSampler(x, y, sampling_rate=q)
+    model = pergrad.PerExampleModel(
+        net, pergrad.privacy.dp_gaussian(1.0, z, expected_batch_size=sampler.expected_batch_size))
+    model.compile(optimizer="sgd", loss=...)
+    model.fit(sampler, epochs=..., callbacks=[
+        pergrad.privacy.PrivacyAccountant(z, q, delta=1e-5, max_epsilon=3.0)])
+
+Accounting (:func:`epsilon`, :func:`noise_multiplier_for`) needs the
+``dp-accounting`` package (``pip install pergrad[privacy]``).
+"""
+
+from pergrad.privacy.accounting import (
+    ACCOUNTANTS,
+    dp_sgd_event,
+    epsilon,
+    make_accountant,
+    noise_multiplier_for,
+    steps_within_budget,
+)
+from pergrad.privacy.callbacks import (
+    PrivacyAccountant,
+    PrivacyBudgetExhaustedError,
+)
+from pergrad.privacy.dp_sgd import (
+    DPGaussian,
+    dp_gaussian,
+)
+from pergrad.privacy.sampling import (
+    BatchOverflowError,
+    PoissonSampler,
+    max_batch_size_for,
+)
+from pergrad.privacy.validation import (
+    NotPoissonSampledWarning,
+    NotPrivateError,
+    check_dp_fit,
+    validate_model_for_dp,
+)
+
+__all__ = [
+    "ACCOUNTANTS",
+    "BatchOverflowError",
+    "DPGaussian",
+    "NotPoissonSampledWarning",
+    "NotPrivateError",
+    "PoissonSampler",
+    "PrivacyAccountant",
+    "PrivacyBudgetExhaustedError",
+    "check_dp_fit",
+    "dp_gaussian",
+    "dp_sgd_event",
+    "epsilon",
+    "make_accountant",
+    "max_batch_size_for",
+    "noise_multiplier_for",
+    "steps_within_budget",
+    "validate_model_for_dp",
+]

@@ -1,0 +1,123 @@
+"""A callback that logs DP-SGD's ``epsilon`` and enforces a privacy budget."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import keras
+
+from pergrad.privacy.accounting import epsilon, make_accountant, steps_within_budget
+from pergrad.privacy.validation import validate_model_for_dp
+
+
+class PrivacyBudgetExhaustedError(RuntimeError):
+    """Training was asked to continue after the privacy budget was spent."""
+
+
+class PrivacyAccountant(keras.callbacks.Callback):
+    """Logs ``epsilon`` after every epoch and stops training at a budget.
+
+    The step count is read from ``model.optimizer.iterations`` when training
+    starts (so a model saved and reloaded, or trained in several ``fit``
+    calls, keeps counting) and then follows the batches run; one optimizer
+    step per sampled batch is assumed. ``epsilon`` is added to the epoch's
+    logs, hence to ``History`` and the progress bar.
+
+    With ``max_epsilon``, the number of steps the budget allows is computed
+    once, and training stops (``model.stop_training = True``) after the last
+    step that keeps ``epsilon <= max_epsilon``: the logged ``epsilon`` never
+    exceeds the budget. A ``fit`` that starts with the budget already spent
+    raises :class:`PrivacyBudgetExhaustedError` (Keras would otherwise run one
+    step before looking at ``stop_training``). With ``steps_per_execution >
+    1`` Keras reports batches in groups, so the check happens only between
+    groups: keep ``steps_per_execution=1`` for an exact stop.
+
+    At the start of training the callback checks the model with
+    :func:`pergrad.privacy.validate_model_for_dp` and that the model's DP
+    aggregator uses the same ``noise_multiplier``.
+
+    Args:
+        noise_multiplier: ``z`` of :func:`pergrad.privacy.dp_gaussian`.
+        sampling_rate: ``q`` of the :class:`PoissonSampler`.
+        delta: the ``delta`` of the guarantee.
+        max_epsilon: the budget; ``None`` only logs.
+        accountant: ``"rdp"`` (default) or ``"pld"``.
+        log_name: the key under which ``epsilon`` is logged.
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        sampling_rate: float,
+        delta: float,
+        *,
+        max_epsilon: float | None = None,
+        accountant: str = "rdp",
+        log_name: str = "epsilon",
+    ):
+        super().__init__()
+        # Validates the arguments and the accountant's name right away.
+        epsilon(noise_multiplier, sampling_rate, 0, delta, accountant)
+        make_accountant(accountant)
+        if max_epsilon is not None and not max_epsilon > 0:
+            raise ValueError(f"max_epsilon must be positive, got {max_epsilon}.")
+        self.noise_multiplier = float(noise_multiplier)
+        self.sampling_rate = float(sampling_rate)
+        self.delta = float(delta)
+        self.max_epsilon = max_epsilon
+        self.accountant = accountant
+        self.log_name = log_name
+        self.steps = 0
+        self.max_steps: int | None = None
+        self._epoch_start = 0
+
+    @property
+    def epsilon(self) -> float:
+        """``epsilon`` after the steps counted so far."""
+        return epsilon(self.noise_multiplier, self.sampling_rate, self.steps, self.delta, self.accountant)
+
+    def _check_model(self) -> None:
+        inner = getattr(self.model, "model", None)
+        validate_model_for_dp(inner if isinstance(inner, keras.Model) else self.model)
+        aggregator = getattr(self.model, "aggregator", None)
+        if not getattr(aggregator, "differentially_private", False):
+            warnings.warn(
+                "PrivacyAccountant is used with a model whose aggregator is not a DP "
+                "aggregator (pergrad.privacy.dp_gaussian): the logged epsilon describes "
+                "nothing this training does.",
+                stacklevel=3,
+            )
+            return
+        if not math.isclose(aggregator.noise_multiplier, self.noise_multiplier, rel_tol=1e-9):
+            raise ValueError(
+                f"PrivacyAccountant(noise_multiplier={self.noise_multiplier}) does not match "
+                f"the model's aggregator (noise_multiplier={aggregator.noise_multiplier})."
+            )
+
+    def on_train_begin(self, logs=None):
+        self._check_model()
+        optimizer = getattr(self.model, "optimizer", None)
+        self.steps = int(keras.ops.convert_to_numpy(optimizer.iterations)) if optimizer else 0
+        if self.max_epsilon is not None:
+            self.max_steps = steps_within_budget(
+                self.max_epsilon, self.delta, self.noise_multiplier, self.sampling_rate, self.accountant
+            )
+            if self.steps >= self.max_steps:
+                raise PrivacyBudgetExhaustedError(
+                    f"The privacy budget epsilon={self.max_epsilon} (delta={self.delta}) allows "
+                    f"{self.max_steps} steps and {self.steps} were already taken."
+                )
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = self.steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Keras passes the index of the last step run in this epoch.
+        self.steps = self._epoch_start + int(batch) + 1
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs[self.log_name] = self.epsilon

@@ -1,0 +1,186 @@
+"""Poisson sampling with static shapes, as DP-SGD's accountant assumes.
+
+The privacy analysis of DP-SGD (:mod:`pergrad.privacy.accounting`) assumes
+that every step includes each example independently with probability ``q``,
+so that batch sizes vary. A jitted train step wants one shape. The
+:class:`PoissonSampler` reconciles both: it draws a Poisson sample every step
+and pads it to a fixed ``max_batch_size`` with rows of sample weight 0. A
+zero-weight example has loss 0 and a zero per-example gradient, so padding
+adds nothing to the clipped sum; with ``expected_batch_size`` given to
+:func:`pergrad.privacy.dp_gaussian`, the aggregated gradient is exactly that
+of the unpadded Poisson batch.
+
+**Overflow.** Dropping examples when more than ``max_batch_size`` are drawn
+would change the mechanism and void the analysis. The sampler therefore
+raises :class:`BatchOverflowError` instead, and by default chooses
+``max_batch_size`` so that this happens with probability at most
+``overflow_probability`` (``1e-9``) per step, by a Bernstein bound on the
+binomial tail. The abort reveals only that a batch was unusually large, an
+event whose probability barely depends on any one example; with ``T`` steps
+it happens with probability at most ``T * overflow_probability``, which is
+negligible next to a usual ``delta`` (and may be added to it for a
+conservative statement).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+
+import keras
+import numpy as np
+from keras import tree
+
+
+class BatchOverflowError(RuntimeError):
+    """More examples were sampled than fit in ``max_batch_size``."""
+
+
+def max_batch_size_for(dataset_size: int, sampling_rate: float, overflow_probability: float = 1e-9) -> int:
+    """A batch size that a Poisson sample exceeds with probability at most ``overflow_probability``.
+
+    The size ``X`` of a Poisson sample is Binomial(n, q), mean ``mu = n q`` and
+    variance ``s^2 = n q (1 - q)``. Bernstein's inequality gives
+    ``P(X >= mu + t) <= exp(-t^2 / (2 (s^2 + t / 3)))``; solving for the ``t``
+    that makes the right side ``overflow_probability`` gives a bound that holds
+    for any ``n`` and ``q`` (a little larger than the exact quantile).
+    """
+    if not 0 < overflow_probability < 1:
+        raise ValueError(f"overflow_probability must be in (0, 1), got {overflow_probability}.")
+    mean = dataset_size * sampling_rate
+    variance = mean * (1.0 - sampling_rate)
+    log_term = math.log(1.0 / overflow_probability)
+    t = log_term / 3.0 + math.sqrt((log_term / 3.0) ** 2 + 2.0 * variance * log_term)
+    return max(1, min(int(dataset_size), math.ceil(mean + t)))
+
+
+class PoissonSampler(keras.utils.PyDataset):
+    """A ``fit()`` data source that Poisson-samples every step, with fixed shapes.
+
+    Each call draws a fresh sample: every example is included independently
+    with probability ``sampling_rate``. The sampled rows are followed by
+    padding rows (copies of example 0 with sample weight 0) up to
+    ``max_batch_size``, so every batch has the same shape and a jitted train
+    step is traced once. Batches are ``(x, y, sample_weight)``; the sample
+    weight is the user's (or 1) for sampled rows and 0 for padding.
+
+    Use it with :func:`pergrad.privacy.dp_gaussian` and pass
+    ``expected_batch_size=sampler.expected_batch_size``: the padded batch's
+    size is not the number of examples.
+
+    Draws are independent across calls (the batch index Keras passes is
+    ignored, so ``fit(shuffle=...)`` has no effect), and reproducible for a
+    given ``seed`` when the batches are requested in order (the default
+    ``workers=1``). Keras's TensorFlow backend draws a couple of batches up
+    front to infer the data's signature and discards them; that changes which
+    draws train, not their distribution. Multiprocessing workers would repeat the same draws and
+    are refused.
+
+    If more than ``max_batch_size`` examples are drawn, the sampler raises
+    :class:`BatchOverflowError` rather than truncating (see the module
+    docstring); the default ``max_batch_size`` makes that a ``1e-9``-per-step
+    event.
+
+    Args:
+        x: inputs: an array or a nest (list, tuple, dict) of arrays sharing
+            the first axis.
+        y: targets (same structure rules). Required: Keras batches cannot carry
+            a sample weight without targets.
+        sampling_rate: ``q``, each example's inclusion probability per step.
+        sample_weight: optional per-example weights, shape ``(n,)``.
+        max_batch_size: the padded batch size; by default
+            :func:`max_batch_size_for` with ``overflow_probability``.
+        steps_per_epoch: batches per epoch; by default ``round(1 / q)``, so
+            that an epoch sees ``n`` examples in expectation.
+        seed: seeds the sampling; ``None`` draws a random seed. For privacy
+            the sample must be unpredictable: do not publish a fixed seed.
+        overflow_probability: target per-step overflow probability for the
+            default ``max_batch_size``.
+        **kwargs: ``workers``, ``max_queue_size`` for ``keras.utils.PyDataset``.
+    """
+
+    def __init__(
+        self,
+        x,
+        y,
+        *,
+        sampling_rate: float,
+        sample_weight=None,
+        max_batch_size: int | None = None,
+        steps_per_epoch: int | None = None,
+        seed: int | None = None,
+        overflow_probability: float = 1e-9,
+        **kwargs,
+    ):
+        if kwargs.get("use_multiprocessing"):
+            raise ValueError(
+                "PoissonSampler cannot use multiprocessing: each process would copy the "
+                "random state and repeat the same samples. Use threads (workers=N)."
+            )
+        super().__init__(**kwargs)
+        if not 0 < sampling_rate <= 1:
+            raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}.")
+        self.x = tree.map_structure(np.asarray, x)
+        if y is None:
+            raise ValueError(
+                "PoissonSampler needs targets y: a Keras batch carries the padding's zero "
+                "sample weights only alongside targets."
+            )
+        self.y = tree.map_structure(np.asarray, y)
+        sizes = {len(a) for a in tree.flatten(self.x)} | {len(a) for a in tree.flatten(self.y)}
+        if sample_weight is not None:
+            sample_weight = np.asarray(sample_weight, dtype="float32")
+            if sample_weight.ndim != 1:
+                raise ValueError(f"sample_weight must have shape (n,), got {sample_weight.shape}.")
+            sizes.add(len(sample_weight))
+        if len(sizes) != 1:
+            raise ValueError(f"x, y and sample_weight must share their first axis; got sizes {sizes}.")
+        self.dataset_size = sizes.pop()
+        if self.dataset_size == 0:
+            raise ValueError("The dataset is empty.")
+        self.sample_weight = sample_weight
+        self.sampling_rate = float(sampling_rate)
+        if max_batch_size is None:
+            max_batch_size = max_batch_size_for(self.dataset_size, self.sampling_rate, overflow_probability)
+        if int(max_batch_size) < 1:
+            raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size}.")
+        self.max_batch_size = int(max_batch_size)
+        if steps_per_epoch is None:
+            steps_per_epoch = max(1, round(1.0 / self.sampling_rate))
+        self.steps_per_epoch = int(steps_per_epoch)
+        self.seed = seed
+        entropy = seed if seed is not None else secrets.randbits(128)
+        self._rng = np.random.default_rng(entropy)
+        self._lock = threading.Lock()
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``q * n``: the denominator to give :func:`pergrad.privacy.dp_gaussian`."""
+        return self.sampling_rate * self.dataset_size
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def sample_indices(self) -> np.ndarray:
+        """One Poisson sample: the indices of the included examples."""
+        with self._lock:
+            included = self._rng.random(self.dataset_size) < self.sampling_rate
+        indices = np.flatnonzero(included)
+        if len(indices) > self.max_batch_size:
+            raise BatchOverflowError(
+                f"Poisson sampling drew {len(indices)} examples, more than max_batch_size="
+                f"{self.max_batch_size}. Truncating would invalidate the privacy analysis; "
+                "use a larger max_batch_size (or the default, chosen so that this is a "
+                "negligible-probability event)."
+            )
+        return indices
+
+    def __getitem__(self, index):
+        indices = self.sample_indices()
+        padding = self.max_batch_size - len(indices)
+        rows = np.concatenate([indices, np.zeros(padding, dtype=indices.dtype)])
+        weights = np.zeros(self.max_batch_size, dtype="float32")
+        weights[: len(indices)] = 1.0 if self.sample_weight is None else self.sample_weight[indices]
+        x = tree.map_structure(lambda a: a[rows], self.x)
+        return x, tree.map_structure(lambda a: a[rows], self.y), weights

@@ -1,0 +1,134 @@
+"""Checks that a model and its data fit DP-SGD's privacy analysis.
+
+DP-SGD's guarantee covers what flows through the noisy aggregated gradient.
+It is void when
+
+- one example's output depends on the other examples of the batch (batch
+  normalization in training mode): an example then influences every other
+  example's gradient, and clipping no longer bounds its influence;
+- the model keeps state computed from the data outside the gradient
+  (stateful RNNs carrying states across batches, moving statistics updated in
+  the forward pass): that state is released without noise;
+- the batches are not Poisson samples while the accountant assumes they are.
+
+:func:`validate_model_for_dp` refuses the first two; :func:`check_dp_fit`
+adds the third as a warning, for ``PerExampleModel.fit`` to call.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+from keras import tree
+
+from pergrad.privacy.sampling import PoissonSampler
+
+
+class NotPrivateError(ValueError):
+    """The model cannot be trained with a differential-privacy guarantee."""
+
+
+class NotPoissonSampledWarning(UserWarning):
+    """A DP model is trained on batches that are not Poisson samples."""
+
+
+def _layers(model):
+    return model._flatten_layers(include_self=False, recursive=True)
+
+
+def _is_seed_state(variable) -> bool:
+    return variable.path.endswith("seed_generator_state")
+
+
+def validate_model_for_dp(model, x=None) -> None:
+    """Raises :class:`NotPrivateError` for models DP-SGD cannot protect.
+
+    Refused: ``BatchNormalization`` that normalizes with batch statistics
+    (a trainable one; a frozen one runs in inference mode and is fine), RNN
+    layers with ``stateful=True``, layers with an ``activity_regularizer``
+    (a data-dependent loss outside the per-example losses). Layers written by
+    users that mix examples cannot be recognized by type; given a sample
+    input ``x``, a training-mode forward pass is also run to find non-trainable
+    variables the forward pass updates from the data (other than random seed
+    states), which would be released without noise.
+
+    Args:
+        model: the Keras model (the one wrapped by ``PerExampleModel``).
+        x: optional sample inputs for the forward-pass check.
+    """
+    problems = []
+    for layer in _layers(model):
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+            problems.append(
+                f"{layer.name!r} (BatchNormalization) mixes the examples of a batch in "
+                "training mode; use LayerNormalization or GroupNormalization, or freeze it "
+                "(layer.trainable = False)"
+            )
+        if getattr(layer, "stateful", False):
+            problems.append(
+                f"{layer.name!r} is stateful: its state carries data across batches "
+                "outside the noisy gradient"
+            )
+        if getattr(layer, "activity_regularizer", None) is not None:
+            problems.append(
+                f"{layer.name!r} has an activity_regularizer: a data-dependent loss outside "
+                "the per-example losses"
+            )
+    if x is not None and not problems:
+        variables = [v for v in model.non_trainable_variables if not _is_seed_state(v)]
+        with keras.StatelessScope() as scope:
+            model(tree.map_structure(keras.ops.convert_to_tensor, x), training=True)
+        for variable in variables:
+            if scope.get_current_value(variable) is not None:
+                problems.append(
+                    f"the forward pass updates {variable.path!r} from the data; it would be "
+                    "released without noise"
+                )
+    if problems:
+        raise NotPrivateError(
+            f"Model {model.name!r} cannot be trained with differential privacy: " + "; ".join(problems) + "."
+        )
+
+
+def check_dp_fit(model, x=None) -> None:
+    """Checks a ``fit(x, ...)`` call of a ``PerExampleModel`` with a DP aggregator.
+
+    Does nothing unless ``model.aggregator`` is differentially private
+    (``pergrad.privacy.dp_gaussian``). Then: validates the wrapped model
+    (:func:`validate_model_for_dp`); warns
+    (:class:`NotPoissonSampledWarning`) when ``x`` is not a
+    :class:`PoissonSampler`, since the accountant assumes Poisson sampling;
+    with a sampler, raises if the aggregator has no ``expected_batch_size``
+    (the padded batch's size is not the number of examples) and warns if it
+    differs from ``sampler.expected_batch_size``.
+    """
+    aggregator = getattr(model, "aggregator", None)
+    if not getattr(aggregator, "differentially_private", False):
+        return
+    inner = getattr(model, "model", model)
+    validate_model_for_dp(inner)
+    if not isinstance(x, PoissonSampler):
+        warnings.warn(
+            "Training a DP model on batches that are not Poisson samples: the epsilon "
+            "of pergrad.privacy.epsilon and PrivacyAccountant assumes each example is "
+            "included independently with probability q at every step. Use "
+            "pergrad.privacy.PoissonSampler(x, y, sampling_rate=q).",
+            NotPoissonSampledWarning,
+            stacklevel=3,
+        )
+        return
+    expected = aggregator.expected_batch_size
+    if expected is None:
+        raise ValueError(
+            "A PoissonSampler pads its batches to max_batch_size, so the DP aggregator "
+            "needs the expected batch size as its denominator: "
+            f"dp_gaussian(..., expected_batch_size={x.expected_batch_size:g})."
+        )
+    if abs(expected - x.expected_batch_size) > 1e-6 * x.expected_batch_size:
+        warnings.warn(
+            f"The DP aggregator divides by expected_batch_size={expected:g} but the "
+            f"sampler's expected batch size is {x.expected_batch_size:g} "
+            f"(sampling_rate * dataset_size).",
+            stacklevel=3,
+        )

@@ -1,0 +1,328 @@
+"""Accounting, Poisson sampling, the budget callback, model validation, end to end."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import pergrad
+from pergrad import privacy
+from pergrad.privacy import (
+    BatchOverflowError,
+    NotPoissonSampledWarning,
+    NotPrivateError,
+    PoissonSampler,
+    PrivacyAccountant,
+    PrivacyBudgetExhaustedError,
+    dp_gaussian,
+)
+
+BACKEND = keras.backend.backend()
+
+
+# -- accounting ------------------------------------------------------------------------------
+
+
+def direct_epsilon(noise_multiplier, sampling_rate, steps, delta, accountant):
+    """One DP-SGD step composed ``steps`` times with dp-accounting, without pergrad."""
+    tracker = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
+    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
+    tracker.compose(dp_accounting.PoissonSampledDpEvent(sampling_rate, gaussian), count=steps)
+    return tracker.get_epsilon(delta)
+
+
+@pytest.mark.parametrize(
+    "noise_multiplier, sampling_rate, steps, delta, accountant",
+    [(1.1, 0.01, 300, 1e-5, "rdp"), (0.8, 0.05, 40, 1e-6, "rdp"), (1.5, 0.02, 50, 1e-5, "pld")],
+)
+def test_epsilon_matches_dp_accounting_composed_step_by_step(
+    noise_multiplier, sampling_rate, steps, delta, accountant
+):
+    ours = privacy.epsilon(noise_multiplier, sampling_rate, steps, delta, accountant=accountant)
+    reference = direct_epsilon(noise_multiplier, sampling_rate, steps, delta, accountant)
+    assert ours == pytest.approx(reference, rel=0.02)
+
+
+def test_without_subsampling_pld_matches_the_exact_gaussian_mechanism():
+    """q = 1: T Gaussian steps are one Gaussian mechanism with noise z / sqrt(T), whose
+    exact epsilon is known in closed form (Balle and Wang, 2018); RDP is an upper bound."""
+    noise_multiplier, steps, delta = 2.0, 16, 1e-5
+    exact = dp_accounting.get_epsilon_gaussian(noise_multiplier / math.sqrt(steps), delta)
+    assert privacy.epsilon(noise_multiplier, 1.0, steps, delta, accountant="pld") == pytest.approx(
+        exact, rel=0.02
+    )
+    assert exact <= privacy.epsilon(noise_multiplier, 1.0, steps, delta) <= 1.3 * exact
+
+
+def test_epsilon_grows_with_steps_and_sampling_rate_and_falls_with_noise():
+    base = privacy.epsilon(1.0, 0.01, 1000, 1e-5)
+    assert privacy.epsilon(1.0, 0.01, 2000, 1e-5) > base
+    assert privacy.epsilon(1.0, 0.02, 1000, 1e-5) > base
+    assert privacy.epsilon(1.5, 0.01, 1000, 1e-5) < base
+    assert privacy.epsilon(1.0, 0.01, 0, 1e-5) == 0.0
+    assert privacy.epsilon(0.0, 0.01, 10, 1e-5) == math.inf
+
+
+def test_pld_is_tighter_than_rdp():
+    rdp = privacy.epsilon(1.1, 0.01, 500, 1e-5, accountant="rdp")
+    pld = privacy.epsilon(1.1, 0.01, 500, 1e-5, accountant="pld")
+    assert pld < rdp
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        (1.0, 0.0, 10, 1e-5),
+        (1.0, 1.5, 10, 1e-5),
+        (1.0, 0.1, -1, 1e-5),
+        (1.0, 0.1, 10, 0.0),
+        (-1.0, 0.1, 1, 1e-5),
+    ],
+)
+def test_epsilon_refuses_invalid_arguments(arguments):
+    with pytest.raises(ValueError):
+        privacy.epsilon(*arguments)
+    with pytest.raises(ValueError, match="accountant"):
+        privacy.epsilon(1.0, 0.1, 10, 1e-5, accountant="moments")
+
+
+def test_noise_multiplier_for_inverts_epsilon():
+    sampling_rate, steps, delta = 0.01, 1000, 1e-5
+    target = privacy.epsilon(1.1, sampling_rate, steps, delta)
+    noise = privacy.noise_multiplier_for(target, delta, sampling_rate, steps)
+    assert noise == pytest.approx(1.1, abs=1e-3)
+    noise = privacy.noise_multiplier_for(3.0, delta, sampling_rate, steps)
+    assert 3.0 * 0.99 <= privacy.epsilon(noise, sampling_rate, steps, delta) <= 3.0
+
+
+def test_steps_within_budget_is_the_last_step_inside_the_budget():
+    steps = privacy.steps_within_budget(2.0, 1e-5, 1.0, 0.02)
+    assert privacy.epsilon(1.0, 0.02, steps, 1e-5) <= 2.0 < privacy.epsilon(1.0, 0.02, steps + 1, 1e-5)
+    assert privacy.steps_within_budget(1e-3, 1e-5, 1.0, 0.02) == 0
+
+
+# -- Poisson sampling --------------------------------------------------------------------------
+
+
+def test_poisson_sampler_includes_each_example_with_probability_q():
+    size, rate, draws = 500, 0.05, 400
+    x = np.arange(size, dtype="float32")[:, None]
+    sampler = PoissonSampler(x, np.arange(size), sampling_rate=rate, seed=1)
+    counts, batch_sizes = np.zeros(size), []
+    for step in range(draws):
+        batch_x, batch_y, weights = sampler[step]
+        assert batch_x.shape == (sampler.max_batch_size, 1)
+        assert batch_y.shape == (sampler.max_batch_size,)
+        real = int(weights.sum())
+        assert np.all(weights[:real] == 1.0) and np.all(weights[real:] == 0.0)
+        rows = batch_y[:real]
+        assert len(np.unique(rows)) == real  # without replacement within a step
+        np.testing.assert_array_equal(batch_x[:real, 0], rows)
+        counts[rows] += 1
+        batch_sizes.append(real)
+    rate_seen = counts.sum() / (size * draws)
+    standard_error = math.sqrt(rate * (1 - rate) / (size * draws))
+    assert abs(rate_seen - rate) < 4 * standard_error
+    # Independent inclusions: the batch size is Binomial(n, q).
+    assert np.var(batch_sizes) == pytest.approx(size * rate * (1 - rate), rel=0.25)
+    # No example is systematically favoured (a chi-square-like spread check).
+    assert np.std(counts) == pytest.approx(math.sqrt(draws * rate * (1 - rate)), rel=0.2)
+
+
+def test_poisson_sampler_is_reproducible_with_a_seed_and_fresh_at_every_step():
+    x = np.random.default_rng(0).normal(size=(200, 2)).astype("float32")
+    first = PoissonSampler(x, x[:, 0], sampling_rate=0.1, seed=3)
+    second = PoissonSampler(x, x[:, 0], sampling_rate=0.1, seed=3)
+    a, b = [first[i][2] for i in range(3)], [second[i][2] for i in range(3)]
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(u, v)
+    # The index is ignored: asking again for batch 0 draws a new sample.
+    assert not np.array_equal(first[0][0], first[0][0])
+    other = PoissonSampler(x, x[:, 0], sampling_rate=0.1, seed=4)
+    assert not np.array_equal(other[0][0], PoissonSampler(x, x[:, 0], sampling_rate=0.1, seed=3)[0][0])
+
+
+def test_poisson_sampler_keeps_nested_inputs_and_user_sample_weights():
+    size = 50
+    x = {"a": np.arange(size, dtype="float32")[:, None], "b": np.ones((size, 2, 2), "float32")}
+    weights = np.linspace(0.5, 2.0, size).astype("float32")
+    sampler = PoissonSampler(
+        x, np.arange(size), sample_weight=weights, sampling_rate=0.2, max_batch_size=30, seed=5
+    )
+    batch_x, batch_y, batch_weights = sampler[0]
+    assert batch_x["a"].shape == (30, 1) and batch_x["b"].shape == (30, 2, 2)
+    real = np.count_nonzero(batch_weights)
+    np.testing.assert_allclose(batch_weights[:real], weights[batch_y[:real]])
+    assert len(sampler) == 5  # round(1 / q) steps per epoch by default
+
+
+def test_overflowing_the_batch_size_raises_instead_of_truncating():
+    sampler = PoissonSampler(np.zeros((100, 1)), np.zeros(100), sampling_rate=0.5, max_batch_size=10, seed=0)
+    with pytest.raises(BatchOverflowError, match="max_batch_size"):
+        sampler[0]
+
+
+@pytest.mark.parametrize("size, rate", [(60_000, 256 / 60_000), (1000, 0.1), (100, 0.5)])
+def test_default_max_batch_size_bounds_the_overflow_probability(size, rate):
+    from scipy import stats
+
+    probability = 1e-9
+    bound = privacy.max_batch_size_for(size, rate, probability)
+    assert stats.binom.sf(bound, size, rate) <= probability  # P(X > bound)
+    assert bound < size * rate + 10 * math.sqrt(size * rate) + 30  # and not absurdly large
+    assert PoissonSampler(np.zeros((size, 1)), np.zeros(size), sampling_rate=rate).max_batch_size == bound
+
+
+def test_poisson_sampler_refuses_multiprocessing_and_bad_arguments():
+    x = np.zeros((10, 1))
+    with pytest.raises(ValueError, match="multiprocessing"):
+        PoissonSampler(x, x, sampling_rate=0.1, workers=2, use_multiprocessing=True)
+    with pytest.raises(ValueError, match="sampling_rate"):
+        PoissonSampler(x, x, sampling_rate=0.0)
+    with pytest.raises(ValueError, match="targets"):
+        PoissonSampler(x, None, sampling_rate=0.1)
+    with pytest.raises(ValueError, match="first axis"):
+        PoissonSampler(x, np.zeros(9), sampling_rate=0.1)
+
+
+# -- validation --------------------------------------------------------------------------------
+
+
+def small_model(*layers, inputs=(4,)):
+    return keras.Sequential([keras.Input(inputs), *layers, keras.layers.Dense(1)])
+
+
+def test_validation_refuses_layers_that_mix_examples_or_keep_data_state():
+    with pytest.raises(NotPrivateError, match="BatchNormalization"):
+        privacy.validate_model_for_dp(small_model(keras.layers.BatchNormalization()))
+    with pytest.raises(NotPrivateError, match="activity_regularizer"):
+        privacy.validate_model_for_dp(small_model(keras.layers.Dense(3, activity_regularizer="l2")))
+    stateful = keras.Sequential(
+        [keras.Input(batch_shape=(2, 3, 1)), keras.layers.SimpleRNN(2, stateful=True), keras.layers.Dense(1)]
+    )
+    with pytest.raises(NotPrivateError, match="stateful"):
+        privacy.validate_model_for_dp(stateful)
+
+
+def test_validation_accepts_per_example_layers_and_frozen_batch_norm():
+    frozen = keras.layers.BatchNormalization()
+    model = small_model(keras.layers.LayerNormalization(), frozen, keras.layers.Dropout(0.5))
+    frozen.trainable = False
+    privacy.validate_model_for_dp(model, x=np.ones((3, 4), "float32"))
+
+
+def test_validation_with_data_finds_state_the_forward_pass_writes():
+    class RunningMean(keras.layers.Layer):
+        def build(self, input_shape):
+            self.mean = self.add_weight(shape=input_shape[1:], initializer="zeros", trainable=False)
+
+        def call(self, x, training=None):
+            if training:
+                self.mean.assign(0.9 * self.mean + 0.1 * ops.mean(x, axis=0))
+            return x
+
+    model = small_model(RunningMean())
+    privacy.validate_model_for_dp(model)  # not detectable by type
+    with pytest.raises(NotPrivateError, match="without noise"):
+        privacy.validate_model_for_dp(model, x=np.ones((3, 4), "float32"))
+
+
+def test_check_dp_fit_warns_without_poisson_sampling_and_checks_the_denominator():
+    x, y = np.zeros((20, 4), "float32"), np.zeros((20, 1), "float32")
+    sampler = PoissonSampler(x, y, sampling_rate=0.25, seed=0)
+    private = pergrad.PerExampleModel(small_model(), dp_gaussian(1.0, 1.0, expected_batch_size=5.0))
+    with pytest.warns(NotPoissonSampledWarning):
+        privacy.check_dp_fit(private, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        privacy.check_dp_fit(private, sampler)
+        privacy.check_dp_fit(pergrad.PerExampleModel(small_model(), "mean"), x)  # not DP: no check
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        privacy.check_dp_fit(pergrad.PerExampleModel(small_model(), dp_gaussian(1.0, 1.0)), sampler)
+    with pytest.warns(UserWarning, match="expected batch size"):
+        privacy.check_dp_fit(
+            pergrad.PerExampleModel(small_model(), dp_gaussian(1.0, 1.0, expected_batch_size=8)), sampler
+        )
+    with pytest.raises(NotPrivateError):
+        privacy.check_dp_fit(
+            pergrad.PerExampleModel(small_model(keras.layers.BatchNormalization()), dp_gaussian(1.0, 1.0)),
+            sampler,
+        )
+
+
+# -- end to end --------------------------------------------------------------------------------
+
+
+@keras.saving.register_keras_serializable(package="pergrad_tests")
+class TracingModel(pergrad.PerExampleModel):
+    """Counts Python calls of ``train_step``: traces on JAX and TensorFlow, steps on torch."""
+
+    def train_step(self, *args):
+        self.__dict__["traces"] = self.__dict__.get("traces", 0) + 1
+        return super().train_step(*args)
+
+
+def test_dp_sgd_fit_logs_epsilon_saves_resumes_and_stops_at_the_budget(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60, 4)).astype("float32")
+    y = (x @ rng.normal(size=(4, 1))).astype("float32")
+    noise_multiplier, rate, delta = 1.0, 0.2, 1e-5
+    sampler = PoissonSampler(x, y, sampling_rate=rate, seed=1)  # 5 steps per epoch
+    inner = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)]
+    )
+    aggregator = dp_gaussian(1.0, noise_multiplier, expected_batch_size=sampler.expected_batch_size, seed=2)
+    model = TracingModel(inner, aggregator)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    accountant = PrivacyAccountant(noise_multiplier, rate, delta)
+    history = model.fit(sampler, epochs=2, verbose=0, callbacks=[accountant])
+
+    expected = [privacy.epsilon(noise_multiplier, rate, steps, delta) for steps in (5, 10)]
+    np.testing.assert_allclose(history.history["epsilon"], expected, rtol=1e-9)
+    assert set(history.history) >= {"loss", "epsilon", "clipped_fraction", "gradient_norm"}
+    if BACKEND in ("jax", "tensorflow"):
+        assert model.traces == 1  # fixed shapes: traced once for all ten steps
+
+    # Saving keeps the aggregator, its noise stream and the optimizer's step count.
+    path = tmp_path / "dp.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.aggregator, privacy.DPGaussian)
+    assert loaded.aggregator.get_config() == model.aggregator.get_config()
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(loaded.aggregator.seed_generator.state),
+        ops.convert_to_numpy(model.aggregator.seed_generator.state),
+    )
+    zeros = [ops.zeros((2, 50))]
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(loaded.aggregator(zeros)[0]), ops.convert_to_numpy(model.aggregator(zeros)[0])
+    )
+
+    # Resuming counts the earlier steps; the budget stops training at the last allowed step.
+    budget = privacy.epsilon(noise_multiplier, rate, 13, delta) + 1e-9
+    limited = PrivacyAccountant(noise_multiplier, rate, delta, max_epsilon=budget)
+    history = model.fit(sampler, epochs=10, verbose=0, callbacks=[limited])
+    assert limited.max_steps == 13
+    assert int(ops.convert_to_numpy(model.optimizer.iterations)) == 13
+    assert history.history["epsilon"][-1] <= budget
+    assert len(history.history["epsilon"]) == 1  # stopped inside the first epoch
+    with pytest.raises(PrivacyBudgetExhaustedError):
+        model.fit(sampler, epochs=1, verbose=0, callbacks=[limited])
+
+
+def test_accountant_refuses_a_noise_multiplier_the_model_does_not_use():
+    sampler = PoissonSampler(np.zeros((20, 4), "float32"), np.zeros((20, 1), "float32"), sampling_rate=0.25)
+    model = pergrad.PerExampleModel(small_model(), dp_gaussian(1.0, 1.0, expected_batch_size=5.0))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="does not match"):
+        model.fit(sampler, epochs=1, verbose=0, callbacks=[PrivacyAccountant(2.0, 0.25, 1e-5)])
+    with pytest.raises(ValueError, match="accountant"):
+        PrivacyAccountant(1.0, 0.25, 1e-5, accountant="moments")
+    with pytest.raises(ValueError, match="max_epsilon"):
+        PrivacyAccountant(1.0, 0.25, 1e-5, max_epsilon=0.0)
