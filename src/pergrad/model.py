@@ -146,9 +146,13 @@ class PerExampleModel(keras.Model):
         if regularization is not None:
             result = [g + ops.cast(r, g.dtype) for g, r in zip(result, regularization)]
         nan = ops.convert_to_tensor(float("nan"))
-        if not getattr(self.aggregator, "differentially_private", False):
-            # A DP rule zeroes non-finite examples itself: a NaN update would
-            # reveal, without noise, that such an example was in the batch.
+        # A weighted sum of per-example gradients is already non-finite when one
+        # of them is (0 * inf is NaN), so only other kinds need the check, which
+        # reads every per-example gradient. A DP rule zeroes non-finite examples
+        # itself: a NaN update would reveal, without noise, that one was in the batch.
+        if self.aggregator.kind != aggregators_module.STATISTICS and not getattr(
+            self.aggregator, "differentially_private", False
+        ):
             finite = _all_finite(per_example)
             result = [ops.where(finite, g, ops.cast(nan, g.dtype)) for g in result]
         if loss_scale is not None:  # LossScaleOptimizer expects scaled gradients
