@@ -15,8 +15,8 @@ SGD(0.01)); ``mlp<B>`` / ``cnn<B>`` at any batch size B:
 - ``cnn64`` (default): 28x28x1 -> Conv 3x3x16 relu -> Conv 3x3x32 relu ->
   MaxPool 2 -> Flatten -> Dense 10, at batch 64.
 
-``--quick`` (smoke test): ``mlp16`` and ``cnn16``, the variants plain,
-jacobian clip, vmap clip, pergrad median and pergrad clip, 2 rounds.
+``--quick`` (smoke test): ``mlp16`` and ``cnn16``, the variants plain, vmap
+clip, pergrad median and pergrad clip, 2 rounds (add others with ``--variants``).
 
 Threads: every backend runs on ``--threads 1`` by default. On a small shared
 machine, multi-threaded pools (torch's OpenMP above all) get descheduled and a
@@ -135,7 +135,7 @@ import pergrad  # noqa: E402
 
 DEFAULT_MODELS = ("mlp64", "mlp256", "cnn64")
 QUICK_MODELS = ("mlp16", "cnn16")
-QUICK_VARIANTS = ("plain", "jacobian clip", "vmap clip", "pergrad median", "pergrad clip")
+QUICK_VARIANTS = ("plain", "vmap clip", "pergrad median", "pergrad clip")
 
 
 def parse_model(key: str):
@@ -499,6 +499,20 @@ def bench_model(key, args, log):
 # reporting
 
 
+def source_state() -> str:
+    """The commit of the checkout the benchmark ran on, ``-dirty`` with local changes."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=_HERE, capture_output=True, text=True,
+            timeout=10,
+        )
+        return out.stdout.strip() or "an unknown commit"
+    except (OSError, subprocess.SubprocessError):
+        return "an unknown commit"
+
+
 def describe_recipes():
     return {
         "tensorflow": "jacobian = tape.jacobian (pfor) of the loss vector; vmap = hand-written "
@@ -586,7 +600,9 @@ def main(argv=None):
                         help="CPU threads per backend (default 1: stable on a shared machine; "
                         "0 = the backends' own defaults)")
     parser.add_argument("--malloc-tuning", action="store_true",
-                        help="diagnostic: keep freed memory in the process (glibc mallopt)")
+                        help="diagnostic: keep freed memory in the process (glibc mallopt; starting "
+                        "with MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647 "
+                        "is more thorough on JAX)")
     args = parser.parse_args(argv)
     quick = args.quick
     args.models = (args.models or ",".join(QUICK_MODELS if quick else DEFAULT_MODELS)).split(",")
@@ -644,6 +660,7 @@ def main(argv=None):
     if quick:
         options.append("--quick")
     print(f"## {BACKEND} ({versions}; {platform.machine()}, {'; '.join(options)})\n")
+    print(f"pergrad {pergrad.__version__} at {source_state()}.")
     print(f"Recipes: {describe_recipes()}.")
     if BACKEND == "tensorflow":
         print(f"TF train function jit_compile: {make_variant('plain', 'mlp').jit_compile} "

@@ -12,7 +12,7 @@ def main(argv=None) -> int:
     demo = commands.add_parser(
         "demo", help="train on scikit-learn's digits with several aggregators, clean and corrupted"
     )
-    demo.add_argument("--epochs", type=int, default=12)
+    demo.add_argument("--epochs", type=int, default=10)
     demo.add_argument("--batch-size", type=int, default=64)
     demo.add_argument("--corrupted-fraction", type=float, default=0.2)
     demo.add_argument("--seed", type=int, default=0)

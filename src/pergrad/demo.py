@@ -156,7 +156,7 @@ def train_dp(
 
 def run(
     rules=None,
-    epochs: int = 12,
+    epochs: int = 10,
     batch_size: int = 64,
     corrupted_fraction: float = 0.2,
     seed: int = 0,
