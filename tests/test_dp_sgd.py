@@ -11,6 +11,7 @@ from keras import ops
 
 import pergrad
 from pergrad.privacy import DPGaussian, PoissonSampler, dp_gaussian
+from pergrad.privacy.dp_sgd import zero_non_finite_examples
 
 SHAPES = [(3, 4), (5,), (2, 1, 3)]
 # One batch size and few shapes throughout: eager JAX compiles every new shape.
@@ -95,12 +96,17 @@ def test_a_gradient_whose_squared_norm_overflows_contributes_nothing():
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_an_example_with_a_non_finite_gradient_contributes_nothing(bad):
+    """``PerExampleModel`` zeroes non-finite examples before a DP rule (one place, for
+    every rule): ``zero_non_finite_examples`` then the rule."""
     gradients = random_gradients(BATCH, seed=2)
     clean = [g.copy() for g in gradients]
     for g in clean:
         g[2] = 0.0
     gradients[1][2, 1] = bad
-    got = run(dp_gaussian(1.0, 0.0, expected_batch_size=5), gradients)
+    got = run(
+        dp_gaussian(1.0, 0.0, expected_batch_size=5),
+        zero_non_finite_examples([ops.convert_to_tensor(g) for g in gradients]),
+    )
     want = run(dp_gaussian(1.0, 0.0, expected_batch_size=5), clean)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -118,7 +124,7 @@ def test_diagnostics_leave_out_zero_gradient_padding_rows():
     gradients = random_gradients(BATCH, seed=4)
     for g in gradients:
         g[4:] = 0.0  # two padding rows
-    aggregator = dp_gaussian(1.0, 0.0, expected_batch_size=4)
+    aggregator = dp_gaussian(1.0, 0.0, expected_batch_size=4, diagnostics=True)
     run(aggregator, gradients)
     reports = {k: float(ops.convert_to_numpy(v)) for k, v in aggregator.pop_reports().items()}
     norms = np.linalg.norm(np.concatenate([g.reshape(BATCH, -1) for g in gradients], axis=1), axis=1)[:4]
@@ -165,10 +171,10 @@ def test_noise_is_added_to_every_variable_including_untouched_ones():
 
 
 def test_config_round_trip_through_keras_serialization():
-    aggregator = dp_gaussian(0.5, 1.1, per_layer=True, expected_batch_size=64, seed=3)
+    aggregator = dp_gaussian(0.5, 1.1, per_layer=True, expected_batch_size=64, seed=3, diagnostics=True)
     restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(aggregator))
     assert isinstance(restored, DPGaussian)
-    for key in ("l2_norm_clip", "noise_multiplier", "per_layer", "expected_batch_size", "seed"):
+    for key in ("l2_norm_clip", "noise_multiplier", "per_layer", "expected_batch_size", "seed", "diagnostics"):
         assert getattr(restored, key) == getattr(aggregator, key)
     assert restored.noise_stddev == pytest.approx(0.55)
 
@@ -203,7 +209,9 @@ def test_a_padded_poisson_batch_trains_like_the_clipped_sum_of_its_real_examples
     inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     kernel, bias = (np.asarray(ops.convert_to_numpy(v), "float64") for v in inner.trainable_variables)
     clip, expected = 2.0, sampler.expected_batch_size
-    model = pergrad.PerExampleModel(inner, dp_gaussian(clip, 0.0, expected_batch_size=expected))
+    model = pergrad.PerExampleModel(
+        inner, dp_gaussian(clip, 0.0, expected_batch_size=expected, diagnostics=True)
+    )
     model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
     logs = model.train_on_batch(batch_x, batch_y, sample_weight=weights, return_dict=True)
 

@@ -140,6 +140,10 @@ class PerExampleModel(keras.Model):
             loss_scale=loss_scale,
         )
         variables = self.model.trainable_variables
+        if getattr(self.aggregator, "differentially_private", False):
+            from pergrad.privacy.dp_sgd import prepare_dp_gradients
+
+            per_example = prepare_dp_gradients(per_example, masked="mask" in aux)
         result = check_result(self.aggregator(per_example), variables, self.aggregator.name)
         self.__dict__["_pending_reports"] = self.aggregator.pop_reports()
         _, regularization = problem.regularization(trainable_values)
@@ -148,8 +152,9 @@ class PerExampleModel(keras.Model):
         nan = ops.convert_to_tensor(float("nan"))
         # A weighted sum of per-example gradients is already non-finite when one
         # of them is (0 * inf is NaN), so only other kinds need the check, which
-        # reads every per-example gradient. A DP rule zeroes non-finite examples
-        # itself: a NaN update would reveal, without noise, that one was in the batch.
+        # reads every per-example gradient. For a DP rule the non-finite examples
+        # were zeroed above: a NaN update would reveal, without noise, that one was
+        # in the batch.
         if self.aggregator.kind != aggregators_module.STATISTICS and not getattr(
             self.aggregator, "differentially_private", False
         ):
@@ -247,10 +252,18 @@ class PerExampleModel(keras.Model):
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def fit(self, x=None, y=None, *args, **kwargs):
+        from pergrad.privacy.sampling import PoissonSampler
+
+        callbacks = args[3] if len(args) > 3 else kwargs.get("callbacks")
         if getattr(self.aggregator, "differentially_private", False):
             from pergrad.privacy.validation import check_dp_fit
 
-            check_dp_fit(self, x)  # refuses example-mixing layers; warns without Poisson sampling
+            # Refuses example-mixing layers and an accountant that does not match the
+            # sampler or the rule; warns without Poisson sampling.
+            check_dp_fit(self, x, callbacks)
+        if isinstance(x, PoissonSampler) and len(args) <= 3:
+            # Draws follow the step count restored by BackupAndRestore (after it).
+            kwargs["callbacks"] = x.with_step_callback(callbacks)
         return super().fit(x, y, *args, **kwargs)
 
     def _inner_non_trainable_positions(self) -> list[int]:

@@ -70,6 +70,8 @@ class Aggregator(keras.layers.Layer):
     diagnostics: tuple[str, ...] = ()
     #: The smallest batch the rule is defined for.
     min_batch_size: int = 1
+    #: Whether the rule carries a differential-privacy guarantee (DP-SGD).
+    differentially_private: bool = False
 
     def __init__(self, **kwargs):
         kwargs.setdefault("dtype", "float32")

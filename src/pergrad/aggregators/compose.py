@@ -41,6 +41,19 @@ def _scaled_statistics(stats: ExampleStatistics, scales) -> ExampleStatistics:
     return ExampleStatistics(stats.squared_norms * scales * scales, None)
 
 
+def _refuse_private(rule: Aggregator, wrapper: str) -> None:
+    """A DP rule's guarantee holds only for the rule applied to the raw per-example gradients."""
+    if getattr(rule, "differentially_private", False):
+        raise ValueError(
+            f"{type(rule).__name__} is a differentially private rule and cannot be used "
+            f"inside {wrapper}: its guarantee bounds one example's influence on the "
+            "per-example gradients it receives, and a wrapper's pre-processing (bucketing "
+            "averages random groups, filtering depends on the other examples) can make one "
+            "example change several of them. Use the DP rule alone as the model's "
+            "aggregator (it clips each example itself)."
+        )
+
+
 def _multiply_weights(first, second):
     if len(first.shape) == len(second.shape):
         return first * second
@@ -64,6 +77,10 @@ class Chain(WeightedAggregator):
     and Gram matrix ``s_i s_j G_ij``, and the result is ``sum_i s_i w_i g_i``.
     Otherwise the kind is ``"arbitrary"``: the steps run on the gradients.
 
+    A differentially private rule (``pergrad.privacy.dp_gaussian``) is
+    refused at any position: its guarantee holds only as the model's
+    outermost aggregator.
+
     Args:
         steps: the steps, in order; aggregators or their names.
     """
@@ -73,6 +90,9 @@ class Chain(WeightedAggregator):
         steps = [get(step) for step in steps]
         if not steps:
             raise ValueError("chain needs at least one step.")
+        for step in steps:
+            _refuse_private(step, "chain(...)")
+        # So a chain is never private (Aggregator.differentially_private = False).
         for step in steps[:-1]:
             if not step.can_preprocess():
                 raise ValueError(
@@ -162,7 +182,10 @@ class Bucketing(Aggregator):
     splits it into ``ceil(B / size)`` consecutive buckets of ``size`` examples
     (the last one smaller when ``size`` does not divide ``B``) and averages each
     bucket. The bucket means go to ``aggregator``; without one, this is a
-    pre-processing step of :func:`chain`. Kind ``"arbitrary"``.
+    pre-processing step of :func:`chain`. Kind ``"arbitrary"``. A
+    differentially private ``aggregator`` is refused: which examples share a
+    bucket depends on the whole batch, so one example can move the result by
+    more than the DP rule's bound.
 
     Args:
         size: examples per bucket (``s`` in the paper).
@@ -183,6 +206,8 @@ class Bucketing(Aggregator):
             raise ValueError(f"bucketing size must be a positive integer, got {size}.")
         self.size = int(size)
         self.aggregator = None if aggregator is None else get(aggregator)
+        if self.aggregator is not None:
+            _refuse_private(self.aggregator, "bucketing(...)")
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed)
         if self.aggregator is not None:

@@ -15,27 +15,52 @@ class PrivacyBudgetExhaustedError(RuntimeError):
     """Training was asked to continue after the privacy budget was spent."""
 
 
+def dp_step_count(model) -> int | None:
+    """The number of steps the model's DP rule has taken, or ``None`` without one.
+
+    Read from the rule's ``step_count`` variable: model state, restored with
+    the weights by every Keras path and never reset by ``compile()``.
+    """
+    aggregator = getattr(model, "aggregator", None)
+    if not getattr(aggregator, "differentially_private", False):
+        return None
+    if not aggregator.built:
+        return 0
+    return int(keras.ops.convert_to_numpy(aggregator.step_count))
+
+
 class PrivacyAccountant(keras.callbacks.Callback):
     """Logs ``epsilon`` after every epoch and stops training at a budget.
 
-    The step count is read from ``model.optimizer.iterations`` when training
-    starts (so a model saved and reloaded, or trained in several ``fit``
-    calls, keeps counting) and then follows the batches run; one optimizer
-    step per sampled batch is assumed. ``epsilon`` is added to the epoch's
-    logs, hence to ``History`` and the progress bar.
+    The number of DP steps taken is state of the model's DP rule
+    (``DPGaussian.step_count``: incremented inside the train step, saved and
+    restored with the weights, not reset by ``compile()``), and the callback
+    reads it whenever it needs it, never caching it across a restore. So
+    ``epsilon`` counts every step the model has taken, over several ``fit``
+    calls, after ``load_model`` (re-compiled or not), ``load_weights``, or
+    ``keras.callbacks.BackupAndRestore`` listed before or after this callback.
+    ``epsilon`` is added to the epoch's logs, hence to ``History`` and the
+    progress bar.
 
     With ``max_epsilon``, the number of steps the budget allows is computed
     once, and training stops (``model.stop_training = True``) after the last
     step that keeps ``epsilon <= max_epsilon``: the logged ``epsilon`` never
-    exceeds the budget. A ``fit`` that starts with the budget already spent
-    raises :class:`PrivacyBudgetExhaustedError` (Keras would otherwise run one
-    step before looking at ``stop_training``). With ``steps_per_execution >
-    1`` Keras reports batches in groups, so the check happens only between
-    groups: keep ``steps_per_execution=1`` for an exact stop.
+    exceeds the budget, and an interrupted and resumed run stops at the same
+    total step count as an uninterrupted one. A ``fit`` that starts with the
+    budget already spent raises :class:`PrivacyBudgetExhaustedError` before
+    its first step (checked again at the first batch, after any restore).
+    With ``steps_per_execution > 1`` Keras reports batches in groups, so the
+    check happens only between groups: keep ``steps_per_execution=1`` for an
+    exact stop.
+
+    A restore discards the steps taken after the backup it restores; they are
+    not counted. If the weights or outputs of such discarded steps were
+    published, count them yourself.
 
     At the start of training the callback checks the model with
     :func:`pergrad.privacy.validate_model_for_dp` and that the model's DP
-    aggregator uses the same ``noise_multiplier``.
+    aggregator uses the same ``noise_multiplier``; ``PerExampleModel.fit``
+    also checks ``sampling_rate`` against its :class:`PoissonSampler`.
 
     Args:
         noise_multiplier: ``z`` of :func:`pergrad.privacy.dp_gaussian`.
@@ -68,14 +93,23 @@ class PrivacyAccountant(keras.callbacks.Callback):
         self.max_epsilon = max_epsilon
         self.accountant = accountant
         self.log_name = log_name
+        #: The step count last read from the model.
         self.steps = 0
         self.max_steps: int | None = None
-        self._epoch_start = 0
+        self._first_batch = True
 
     @property
     def epsilon(self) -> float:
-        """``epsilon`` after the steps counted so far."""
+        """``epsilon`` after the steps counted at the last read."""
         return epsilon(self.noise_multiplier, self.sampling_rate, self.steps, self.delta, self.accountant)
+
+    def _read_steps(self) -> int:
+        steps = dp_step_count(self.model)
+        if steps is None:  # not a DP model (warned at train begin): count optimizer steps
+            optimizer = getattr(self.model, "optimizer", None)
+            steps = int(keras.ops.convert_to_numpy(optimizer.iterations)) if optimizer else 0
+        self.steps = steps
+        return steps
 
     def _check_model(self) -> None:
         inner = getattr(self.model, "model", None)
@@ -95,29 +129,35 @@ class PrivacyAccountant(keras.callbacks.Callback):
                 f"the model's aggregator (noise_multiplier={aggregator.noise_multiplier})."
             )
 
+    def _check_budget(self) -> None:
+        if self.max_steps is not None and self._read_steps() >= self.max_steps:
+            raise PrivacyBudgetExhaustedError(
+                f"The privacy budget epsilon={self.max_epsilon} (delta={self.delta}) allows "
+                f"{self.max_steps} steps and {self.steps} were already taken."
+            )
+
     def on_train_begin(self, logs=None):
         self._check_model()
-        optimizer = getattr(self.model, "optimizer", None)
-        self.steps = int(keras.ops.convert_to_numpy(optimizer.iterations)) if optimizer else 0
         if self.max_epsilon is not None:
             self.max_steps = steps_within_budget(
                 self.max_epsilon, self.delta, self.noise_multiplier, self.sampling_rate, self.accountant
             )
-            if self.steps >= self.max_steps:
-                raise PrivacyBudgetExhaustedError(
-                    f"The privacy budget epsilon={self.max_epsilon} (delta={self.delta}) allows "
-                    f"{self.max_steps} steps and {self.steps} were already taken."
-                )
+        self._first_batch = True
+        self._check_budget()
+        self._read_steps()
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch_start = self.steps
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._first_batch:
+            # BackupAndRestore listed after this callback restores the count
+            # after on_train_begin: look again before the first step.
+            self._first_batch = False
+            self._check_budget()
 
     def on_train_batch_end(self, batch, logs=None):
-        # Keras passes the index of the last step run in this epoch.
-        self.steps = self._epoch_start + int(batch) + 1
-        if self.max_steps is not None and self.steps >= self.max_steps:
+        if self._read_steps() >= (self.max_steps if self.max_steps is not None else math.inf):
             self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
+        self._read_steps()
         if logs is not None:
             logs[self.log_name] = self.epsilon

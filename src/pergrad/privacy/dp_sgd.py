@@ -16,11 +16,34 @@ References:
 from __future__ import annotations
 
 import math
+import secrets
 
 import keras
+import numpy as np
 from keras import ops
 
 from pergrad.aggregators.base import ExampleStatistics, WeightedAggregator
+
+# The noise: _STREAMS keyed randint streams XORed, _BITS bits per coordinate.
+# Key words stay below int32.max - 1, which TensorFlow's seed cast keeps.
+_STREAMS = 5
+_BITS = 24
+_KEY_WORD = 2**31 - 2
+
+
+def zero_non_finite_examples(gradients: list) -> list:
+    """Sets to zero the gradient of every example that has a NaN or an infinity.
+
+    ``PerExampleModel`` applies it before a DP rule, whatever wraps it: the
+    example then contributes nothing, which the sensitivity bound allows,
+    whereas a NaN update would reveal without noise that it was in the batch.
+    """
+    rows = [ops.reshape(g, (ops.shape(g)[0], -1)) for g in gradients]
+    finite = ops.all(ops.stack([ops.all(ops.isfinite(r), axis=1) for r in rows], axis=1), axis=1)
+    return [
+        ops.where(ops.reshape(finite, (-1,) + (1,) * (len(g.shape) - 1)), g, ops.zeros_like(g))
+        for g in gradients
+    ]
 
 
 @keras.saving.register_keras_serializable(package="pergrad")
@@ -47,26 +70,60 @@ class DPGaussian(WeightedAggregator):
     batch's size, which is right only for fixed-size batches with no padding
     (and fixed-size batches are not what the Poisson accountant analyses).
 
-    **Noise.** Drawn with ``keras.random.normal`` from a
-    ``keras.random.SeedGenerator`` owned by the aggregator: a Keras variable
-    carried through the JAX train step, advanced at every step (fresh noise
-    each step), saved with the model and restored by ``load_model`` (resuming
-    continues the noise stream). A given ``seed`` makes the noise
-    reproducible; keep it secret, or leave it ``None`` (a random seed), when
-    the privacy guarantee matters: noise an adversary can predict protects
-    nothing.
+    **Noise.** Each coordinate of the noise is ``sqrt(2) erfinv(v)`` with
+    ``v`` uniform on ``2^24`` symmetric points of ``(-1, 1)``: a standard
+    normal quantized to 24 bits, as float32 samplers are
+    (``jax.random.normal`` also maps a float32 uniform through ``erfinv``;
+    the tails stop near 5.4 standard deviations). The 24 bits are the XOR of
+    5 independent ``keras.random.randint`` streams, each keyed by its own
+    pair of 31-bit key words plus the step count, so the noise of step ``t``
+    is a pure function of (key, ``t``). XOR makes each stream a one-time pad
+    for the others: the noise is predictable only with every stream's key,
+    and a guess of some of them leaves uniform bits, so the keys cannot be
+    searched one at a time. Backends key one draw with at most 64 bits
+    (torch with 32), so five streams give more than 128 bits of key on every
+    backend.
 
-    **Non-finite gradients.** An example whose gradient has a NaN or an
-    infinity, or whose squared norm overflows, gets weight 0: it contributes
-    nothing, which is within the sensitivity bound, whereas a NaN update would
-    reveal without noise that such an example is in the batch.
+    With ``seed=None`` (the default, and the only secure choice) the key
+    comes from Python's :mod:`secrets` (the operating system's CSPRNG):
+    ``keras.utils.set_random_seed`` does not touch it. The key is never a
+    Keras variable: ``model.save``, ``save_weights`` and ``BackupAndRestore``
+    do not write it, and a loaded model, or weights loaded into this one,
+    draws a fresh key, so a restored run never replays noise an earlier run
+    released. With an integer ``seed`` the key is derived from it
+    (``numpy.random.SeedSequence``): the noise of step ``t`` is reproducible,
+    and a resumed run adds exactly the noise of an uninterrupted one. That is
+    for tests and debugging only and **not secure**: anyone who knows the
+    seed can subtract the noise (Opacus's ``secure_mode=False``).
 
-    **Diagnostics** (logged as metrics): ``clipped_fraction``, the fraction
-    of examples whose norm exceeded the threshold, and ``gradient_norm``, the
-    mean per-example norm before clipping, both over the examples with a
-    non-zero gradient (padding rows of a Poisson batch have zero gradient and
-    are left out). They are computed from the raw data without noise: they
-    are for monitoring and are not covered by the privacy guarantee.
+    **Step count.** ``step_count``, a non-trainable int32 variable, counts the
+    steps this rule has taken (one per call). It is model state: carried
+    through the JAX train step, saved by ``model.save`` and ``save_weights``,
+    restored by ``load_model``, ``load_weights`` and ``BackupAndRestore``,
+    and left alone by ``compile()``. :class:`~pergrad.privacy.PrivacyAccountant`
+    computes ``epsilon`` from it.
+
+    **Non-finite gradients.** For DP rules ``PerExampleModel`` zeroes the
+    gradient of every example that has a NaN or an infinity before the rule
+    sees it (:func:`zero_non_finite_examples`, in one place whatever the
+    rule): the example contributes nothing, which is within the sensitivity
+    bound, whereas a NaN update would reveal without noise that such an
+    example was in the batch. An example whose squared norm overflows gets
+    clipping factor 0 here. Call :func:`zero_non_finite_examples` yourself
+    when you apply the rule outside ``PerExampleModel``.
+
+    **Where it may be used.** Only as the model's aggregator: a DP rule inside
+    :func:`~pergrad.aggregators.chain` or
+    :func:`~pergrad.aggregators.bucketing` is refused (bucketing makes one
+    example's influence depend on the others' random assignment).
+
+    **Diagnostics** ``clipped_fraction`` (examples whose norm exceeded the
+    threshold) and ``gradient_norm`` (mean norm before clipping) are computed
+    from the data without noise, so they are **not covered by the privacy
+    guarantee**: one record can move ``gradient_norm`` arbitrarily. They are
+    off by default; ``diagnostics=True`` logs them (over the examples with a
+    non-zero gradient: padding rows are left out) for debugging on data that
+    needs no protection.
 
     Args:
         l2_norm_clip: the clipping norm ``C`` (> 0).
@@ -75,14 +132,16 @@ class DPGaussian(WeightedAggregator):
         per_layer: clip each trainable variable to ``C / sqrt(V)`` instead of
             the flat gradient to ``C``.
         expected_batch_size: the denominator; required for Poisson sampling.
-        seed: an integer for reproducible noise, or ``None``.
+        seed: ``None`` (a secret key from :mod:`secrets`), or an integer for
+            reproducible and therefore **insecure** noise.
+        diagnostics: log ``clipped_fraction`` and ``gradient_norm``, which are
+            not private.
 
     References:
         Abadi et al., 2016, "Deep learning with differential privacy".
         https://arxiv.org/abs/1607.00133
     """
 
-    diagnostics = ("clipped_fraction", "gradient_norm")
     #: Tells ``pergrad.privacy.check_dp_fit`` and the accountant callback that
     #: this rule carries a privacy guarantee (and assumes Poisson sampling).
     differentially_private = True
@@ -95,21 +154,60 @@ class DPGaussian(WeightedAggregator):
         per_layer: bool = False,
         expected_batch_size: float | None = None,
         seed: int | None = None,
+        diagnostics: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if not l2_norm_clip > 0:
-            raise ValueError(f"l2_norm_clip must be positive, got {l2_norm_clip}.")
-        if not noise_multiplier >= 0:
-            raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}.")
-        if expected_batch_size is not None and not expected_batch_size > 0:
-            raise ValueError(f"expected_batch_size must be positive, got {expected_batch_size}.")
+        if not (math.isfinite(l2_norm_clip) and l2_norm_clip > 0):
+            raise ValueError(f"l2_norm_clip must be positive and finite, got {l2_norm_clip}.")
+        if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+            raise ValueError(
+                f"noise_multiplier must be non-negative and finite, got {noise_multiplier}."
+            )
+        if expected_batch_size is not None and not (
+            math.isfinite(expected_batch_size) and expected_batch_size > 0
+        ):
+            raise ValueError(
+                f"expected_batch_size must be positive and finite, got {expected_batch_size}."
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise ValueError(f"seed must be None or an integer, got {seed!r}.")
         self.l2_norm_clip = float(l2_norm_clip)
         self.noise_multiplier = float(noise_multiplier)
         self.per_layer = bool(per_layer)
         self.expected_batch_size = None if expected_batch_size is None else float(expected_batch_size)
-        self.seed = seed
-        self.seed_generator = keras.random.SeedGenerator(seed, name="dp_noise_seed")
+        self.seed = None if seed is None else int(seed)
+        self.log_diagnostics = bool(diagnostics)
+        self.diagnostics = ("clipped_fraction", "gradient_norm") if diagnostics else ()
+        # Conduits for the keyed draws (TF and torch take a seed only as a
+        # SeedGenerator). Kept out of Keras's tracking through __dict__: their
+        # state is set before every draw and never saved.
+        self.__dict__["_noise_generators"] = [
+            keras.random.SeedGenerator(0, name=f"dp_noise_stream_{i}") for i in range(_STREAMS)
+        ]
+        self._new_key()
+
+    def _new_key(self) -> None:
+        """Draws the noise key: secret with ``seed=None``, derived from ``seed`` otherwise."""
+        if self.seed is None:
+            words = [secrets.randbelow(_KEY_WORD) for _ in range(2 * _STREAMS)]
+        else:
+            state = np.random.SeedSequence(self.seed).generate_state(2 * _STREAMS, dtype=np.uint64)
+            words = [int(w) % _KEY_WORD for w in state]
+        self.__dict__["_noise_key"] = [(words[2 * i], words[2 * i + 1]) for i in range(_STREAMS)]
+
+    def build(self, shapes=None):
+        self.step_count = self.add_weight(
+            shape=(), initializer="zeros", dtype="int32", trainable=False, name="step_count"
+        )
+        self.built = True
+
+    def load_own_variables(self, store):
+        super().load_own_variables(store)
+        # Restored weights come with an earlier step count: a secret key must
+        # not add again the noise it added at those steps.
+        if self.seed is None:
+            self._new_key()
 
     @property
     def noise_stddev(self) -> float:
@@ -135,10 +233,11 @@ class DPGaussian(WeightedAggregator):
             clipped = norms > threshold
         # Padding rows (weight 0) have zero gradient: leave them out of the
         # diagnostics so that they describe the real examples.
-        present = ops.cast(flat_norms > 0, "float32")
-        count = ops.maximum(ops.sum(present), 1.0)
-        self.report("clipped_fraction", ops.sum(ops.cast(clipped, "float32") * present) / count)
-        self.report("gradient_norm", ops.sum(ops.where(present > 0, flat_norms, 0.0)) / count)
+        if self.log_diagnostics:
+            present = ops.cast(flat_norms > 0, "float32")
+            count = ops.maximum(ops.sum(present), 1.0)
+            self.report("clipped_fraction", ops.sum(ops.cast(clipped, "float32") * present) / count)
+            self.report("gradient_norm", ops.sum(ops.where(present > 0, flat_norms, 0.0)) / count)
         # An overflowing norm (inf) gives factor 0, a NaN norm too: that example
         # adds nothing.
         factors = threshold / ops.maximum(norms, threshold)
@@ -151,33 +250,43 @@ class DPGaussian(WeightedAggregator):
         self.__dict__["_step_denominator"] = denominator
         return self.clip_factors(stats) / denominator
 
+    def standard_normal(self, size: int, step):
+        """``size`` standard normal values for step ``step``, a pure function of (key, step)."""
+        bits = None
+        for (first, second), generator in zip(self._noise_key, self._noise_generators):
+            dtype = generator.state.dtype
+            generator.state.assign(
+                ops.stack(
+                    [
+                        ops.convert_to_tensor(first, dtype),
+                        ops.convert_to_tensor(second, dtype) + ops.cast(step, dtype),
+                    ]
+                )
+            )
+            draw = keras.random.randint((size,), 0, 2**_BITS, dtype="int32", seed=generator)
+            bits = draw if bits is None else ops.bitwise_xor(bits, draw)
+        # 2k + 1 - 2^24 is odd and below 2^24 in magnitude: exact in float32.
+        centred = ops.cast(2 * bits + 1 - 2**_BITS, "float32") / float(2**_BITS)
+        return math.sqrt(2.0) * ops.erfinv(centred)
+
     def finalize(self, result: list) -> list:
         denominator = self.__dict__.pop("_step_denominator", None)
+        step = self.step_count.value
+        self.step_count.assign(step + 1)
         if self.noise_multiplier == 0:
             return result
         if denominator is None:
             raise RuntimeError("DPGaussian.finalize must follow example_weights in the same step.")
-        noisy = []
-        for gradient in result:
-            noise = keras.random.normal(
-                ops.shape(gradient),
-                stddev=self.noise_stddev,
-                dtype=gradient.dtype,
-                seed=self.seed_generator,
-            )
-            noisy.append(gradient + noise / ops.cast(denominator, gradient.dtype))
+        # One draw for all variables: one key per stream and step.
+        sizes = [math.prod(g.shape) for g in result]
+        noise = self.standard_normal(sum(sizes), step)
+        scale = self.noise_stddev / ops.cast(denominator, "float32")
+        noisy, start = [], 0
+        for gradient, size in zip(result, sizes):
+            part = ops.reshape(noise[start : start + size] * scale, gradient.shape)
+            noisy.append(gradient + ops.cast(part, gradient.dtype))
+            start += size
         return noisy
-
-    def aggregate(self, gradients):
-        # A non-finite example contributes nothing: a NaN update would reveal,
-        # without noise, that some example of the batch has a non-finite gradient.
-        rows = [ops.reshape(g, (ops.shape(g)[0], -1)) for g in gradients]
-        finite = ops.all(ops.stack([ops.all(ops.isfinite(r), axis=1) for r in rows], axis=1), axis=1)
-        gradients = [
-            ops.where(ops.reshape(finite, (-1,) + (1,) * (len(g.shape) - 1)), g, ops.zeros_like(g))
-            for g in gradients
-        ]
-        return super().aggregate(gradients)
 
     def get_config(self):
         return {
@@ -187,6 +296,7 @@ class DPGaussian(WeightedAggregator):
             "per_layer": self.per_layer,
             "expected_batch_size": self.expected_batch_size,
             "seed": self.seed,
+            "diagnostics": self.log_diagnostics,
         }
 
 
@@ -197,6 +307,7 @@ def dp_gaussian(
     per_layer: bool = False,
     expected_batch_size: float | None = None,
     seed: int | None = None,
+    diagnostics: bool = False,
 ) -> DPGaussian:
     """DP-SGD's aggregator (Abadi et al., 2016): clip, sum, add noise, divide.
 
@@ -226,4 +337,31 @@ def dp_gaussian(
         per_layer=per_layer,
         expected_batch_size=expected_batch_size,
         seed=seed,
+        diagnostics=diagnostics,
     )
+
+
+def prepare_dp_gradients(gradients: list, masked: bool = False) -> list:
+    """What ``PerExampleModel`` does to per-example gradients before a DP rule.
+
+    Refuses masked outputs and zeroes non-finite examples
+    (:func:`zero_non_finite_examples`).
+
+    Raises:
+        ValueError: for a model with a masked output. Keras divides a masked
+            loss by the batch's total count of unmasked steps, so each
+            example's gradient is scaled, before clipping, by a factor that
+            depends on the other examples: one record then moves the update
+            by several times the clipping norm.
+    """
+    if masked:
+        raise ValueError(
+            "DP rules cannot train a model with a masked output: Keras divides a masked "
+            "loss by the number of unmasked steps of the whole batch, so every example's "
+            "gradient depends on the other examples' lengths and clipping no longer "
+            "bounds one record's influence. Remove the mask (e.g. Embedding(mask_zero="
+            "False)) and give padding steps sample weight 0 with a (batch, time) "
+            "sample_weight instead: the loss is then divided by batch * time, which "
+            "does not depend on the other examples."
+        )
+    return zero_non_finite_examples(gradients)

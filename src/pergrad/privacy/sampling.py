@@ -69,13 +69,29 @@ class PoissonSampler(keras.utils.PyDataset):
     ``expected_batch_size=sampler.expected_batch_size``: the padded batch's
     size is not the number of examples.
 
-    Draws are independent across calls (the batch index Keras passes is
-    ignored, so ``fit(shuffle=...)`` has no effect), and reproducible for a
-    given ``seed`` when the batches are requested in order (the default
-    ``workers=1``). Keras's TensorFlow backend draws a couple of batches up
-    front to infer the data's signature and discards them; that changes which
-    draws train, not their distribution. Multiprocessing workers would repeat the same draws and
-    are refused.
+    **Draws as a function of the step.** The draw of global step ``t`` is a
+    pure function of (seed, ``t``): a fresh ``numpy`` generator seeded with
+    ``SeedSequence(seed, spawn_key=(t,))``. The sampler keeps the step of its
+    next draw (:attr:`step`) and advances it at every call (the batch index
+    Keras passes is ignored, so ``fit(shuffle=...)`` has no effect). At the
+    start of every ``PerExampleModel.fit`` (``on_train_begin``, after
+    ``keras.callbacks.BackupAndRestore`` has restored the weights), the step is
+    set to the number of steps the model's DP rule has taken
+    (``step_count``; ``optimizer.iterations`` for other rules). So a run
+    resumed from a backup, from ``load_model`` or from ``load_weights``, with
+    a re-created sampler and the same ``seed``, draws exactly the batches of
+    an uninterrupted run. The batches Keras fetches before training starts
+    (TensorFlow infers the data's signature from two, JAX and torch build the
+    model with one) only read draws that training draws again; they change
+    nothing. Exact reproduction needs batches requested in order, as with
+    the default ``workers=1``; threads (``workers=N``) still draw distinct
+    steps. Multiprocessing workers would copy the sampler and repeat its
+    draws, and are refused.
+
+    With ``seed=None`` the seed is 128 bits from :mod:`secrets`, unknown to
+    anyone, and drawn again when the step is moved back (a restore), so that
+    a restored run never repeats the draws of the run it replaces. A fixed
+    ``seed`` is for tests: an adversary who knows it knows every batch.
 
     If more than ``max_batch_size`` examples are drawn, the sampler raises
     :class:`BatchOverflowError` rather than truncating (see the module
@@ -93,8 +109,9 @@ class PoissonSampler(keras.utils.PyDataset):
             :func:`max_batch_size_for` with ``overflow_probability``.
         steps_per_epoch: batches per epoch; by default ``round(1 / q)``, so
             that an epoch sees ``n`` examples in expectation.
-        seed: seeds the sampling; ``None`` draws a random seed. For privacy
-            the sample must be unpredictable: do not publish a fixed seed.
+        seed: seeds the sampling; ``None`` (the default) draws a secret
+            128-bit seed. For privacy the sample must be unpredictable: a fixed
+            seed is for reproducible tests.
         overflow_probability: target per-step overflow probability for the
             default ``max_batch_size``.
         **kwargs: ``workers``, ``max_queue_size`` for ``keras.utils.PyDataset``.
@@ -150,9 +167,40 @@ class PoissonSampler(keras.utils.PyDataset):
             steps_per_epoch = max(1, round(1.0 / self.sampling_rate))
         self.steps_per_epoch = int(steps_per_epoch)
         self.seed = seed
-        entropy = seed if seed is not None else secrets.randbits(128)
-        self._rng = np.random.default_rng(entropy)
+        self._entropy = seed if seed is not None else secrets.randbits(128)
+        self._step = 0
         self._lock = threading.Lock()
+
+    @property
+    def step(self) -> int:
+        """The global step of the next draw."""
+        return self._step
+
+    def set_step(self, step: int) -> None:
+        """Makes the next draw that of global step ``step`` (``fit`` calls it)."""
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"step must be non-negative, got {step}.")
+        with self._lock:
+            if self.seed is None and step < self._step:
+                # A restore: never repeat the draws of the run it replaces.
+                self._entropy = secrets.randbits(128)
+            self._step = step
+
+    def with_step_callback(self, callbacks=None):
+        """``callbacks`` followed by the callback that sets :attr:`step` at train begin."""
+        sync = _StepSync(self)
+        if callbacks is None:
+            return [sync]
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.append(sync)
+            return callbacks
+        return [*callbacks, sync]
+
+    def indices_for_step(self, step: int) -> np.ndarray:
+        """The Poisson sample of global step ``step``: a pure function of (seed, step)."""
+        generator = np.random.default_rng(np.random.SeedSequence(self._entropy, spawn_key=(int(step),)))
+        return np.flatnonzero(generator.random(self.dataset_size) < self.sampling_rate)
 
     @property
     def expected_batch_size(self) -> float:
@@ -163,10 +211,11 @@ class PoissonSampler(keras.utils.PyDataset):
         return self.steps_per_epoch
 
     def sample_indices(self) -> np.ndarray:
-        """One Poisson sample: the indices of the included examples."""
+        """The next Poisson sample: the indices of the included examples."""
         with self._lock:
-            included = self._rng.random(self.dataset_size) < self.sampling_rate
-        indices = np.flatnonzero(included)
+            step = self._step
+            self._step += 1
+        indices = self.indices_for_step(step)
         if len(indices) > self.max_batch_size:
             raise BatchOverflowError(
                 f"Poisson sampling drew {len(indices)} examples, more than max_batch_size="
@@ -184,3 +233,24 @@ class PoissonSampler(keras.utils.PyDataset):
         weights[: len(indices)] = 1.0 if self.sample_weight is None else self.sample_weight[indices]
         x = tree.map_structure(lambda a: a[rows], self.x)
         return x, tree.map_structure(lambda a: a[rows], self.y), weights
+
+
+class _StepSync(keras.callbacks.Callback):
+    """Sets a sampler's step to the model's step count when training begins.
+
+    Listed after the user's callbacks, so that it reads the count that
+    ``BackupAndRestore`` (whatever its position) has restored.
+    """
+
+    def __init__(self, sampler: PoissonSampler):
+        super().__init__()
+        self.sampler = sampler
+
+    def on_train_begin(self, logs=None):
+        from pergrad.privacy.callbacks import dp_step_count
+
+        steps = dp_step_count(self.model)
+        if steps is None:
+            optimizer = getattr(self.model, "optimizer", None)
+            steps = int(keras.ops.convert_to_numpy(optimizer.iterations)) if optimizer is not None else 0
+        self.sampler.set_step(steps)

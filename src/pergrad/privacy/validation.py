@@ -17,6 +17,7 @@ adds the third as a warning, for ``PerExampleModel.fit`` to call.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import keras
@@ -91,7 +92,36 @@ def validate_model_for_dp(model, x=None) -> None:
         )
 
 
-def check_dp_fit(model, x=None) -> None:
+def _accountants(callbacks) -> list:
+    from pergrad.privacy.callbacks import PrivacyAccountant
+
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    return [c for c in callbacks if isinstance(c, PrivacyAccountant)]
+
+
+def _check_accountants(aggregator, sampler, callbacks) -> None:
+    """An accountant must describe the mechanism that runs: same ``z``, same ``q``."""
+    for accountant in _accountants(callbacks):
+        if not math.isclose(accountant.noise_multiplier, aggregator.noise_multiplier, rel_tol=1e-9):
+            raise ValueError(
+                f"PrivacyAccountant(noise_multiplier={accountant.noise_multiplier}) does not "
+                f"match the model's aggregator (noise_multiplier={aggregator.noise_multiplier})."
+            )
+        if sampler is not None and not math.isclose(
+            accountant.sampling_rate, sampler.sampling_rate, rel_tol=1e-9
+        ):
+            raise ValueError(
+                f"PrivacyAccountant(sampling_rate={accountant.sampling_rate}) does not match "
+                f"the PoissonSampler (sampling_rate={sampler.sampling_rate}): the logged "
+                "epsilon would describe another mechanism. Pass "
+                f"sampling_rate={sampler.sampling_rate} to the accountant."
+            )
+
+
+def check_dp_fit(model, x=None, callbacks=None) -> None:
     """Checks a ``fit(x, ...)`` call of a ``PerExampleModel`` with a DP aggregator.
 
     Does nothing unless ``model.aggregator`` is differentially private
@@ -101,13 +131,17 @@ def check_dp_fit(model, x=None) -> None:
     :class:`PoissonSampler`, since the accountant assumes Poisson sampling;
     with a sampler, raises if the aggregator has no ``expected_batch_size``
     (the padded batch's size is not the number of examples) and warns if it
-    differs from ``sampler.expected_batch_size``.
+    differs from ``sampler.expected_batch_size``. Raises if a
+    :class:`~pergrad.privacy.PrivacyAccountant` among ``callbacks`` has
+    another noise multiplier than the rule, or another sampling rate than the
+    sampler.
     """
     aggregator = getattr(model, "aggregator", None)
     if not getattr(aggregator, "differentially_private", False):
         return
     inner = getattr(model, "model", model)
     validate_model_for_dp(inner)
+    _check_accountants(aggregator, x if isinstance(x, PoissonSampler) else None, callbacks)
     if not isinstance(x, PoissonSampler):
         warnings.warn(
             "Training a DP model on batches that are not Poisson samples: the epsilon "
