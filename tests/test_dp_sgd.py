@@ -174,7 +174,8 @@ def test_config_round_trip_through_keras_serialization():
     aggregator = dp_gaussian(0.5, 1.1, per_layer=True, expected_batch_size=64, seed=3, diagnostics=True)
     restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(aggregator))
     assert isinstance(restored, DPGaussian)
-    for key in ("l2_norm_clip", "noise_multiplier", "per_layer", "expected_batch_size", "seed", "diagnostics"):
+    keys = ("l2_norm_clip", "noise_multiplier", "per_layer", "expected_batch_size", "seed", "diagnostics")
+    for key in keys:
         assert getattr(restored, key) == getattr(aggregator, key)
     assert restored.noise_stddev == pytest.approx(0.55)
 

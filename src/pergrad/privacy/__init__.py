@@ -9,6 +9,10 @@ A DP-SGD recipe::
     model.fit(sampler, epochs=..., callbacks=[
         pergrad.privacy.PrivacyAccountant(z, q, delta=1e-5, max_epsilon=3.0)])
 
+The guarantee, what is refused to keep it, what ``seed=`` means and how
+resuming works are described in :class:`DPGaussian`,
+:class:`PrivacyAccountant`, :class:`PoissonSampler` and the README.
+
 Accounting (:func:`epsilon`, :func:`noise_multiplier_for`) needs the
 ``dp-accounting`` package (``pip install pergrad[privacy]``).
 """
@@ -28,6 +32,7 @@ from pergrad.privacy.callbacks import (
 from pergrad.privacy.dp_sgd import (
     DPGaussian,
     dp_gaussian,
+    zero_non_finite_examples,
 )
 from pergrad.privacy.sampling import (
     BatchOverflowError,
@@ -59,4 +64,5 @@ __all__ = [
     "noise_multiplier_for",
     "steps_within_budget",
     "validate_model_for_dp",
+    "zero_non_finite_examples",
 ]

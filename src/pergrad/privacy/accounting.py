@@ -27,6 +27,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 
@@ -116,6 +117,14 @@ def epsilon(
         return 0.0
     if noise_multiplier == 0:
         return math.inf
+    make_accountant(accountant)  # validates the name
+    return _epsilon(float(noise_multiplier), float(sampling_rate), int(steps), float(delta), accountant)
+
+
+# Pure functions of their arguments; the accountant callback asks for the same
+# values at every epoch and every fit, and each costs a fraction of a second.
+@functools.lru_cache(maxsize=256)
+def _epsilon(noise_multiplier, sampling_rate, steps, delta, accountant) -> float:
     tracker = make_accountant(accountant)
     with _quiet_accountant():
         tracker.compose(dp_sgd_event(noise_multiplier, sampling_rate, steps))
@@ -207,6 +216,14 @@ def steps_within_budget(
     exceeds the budget (or there is no noise).
     """
     _check(noise_multiplier, sampling_rate, 0, delta)
+    make_accountant(accountant)
+    return _steps_within_budget(
+        float(max_epsilon), float(delta), float(noise_multiplier), float(sampling_rate), accountant
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _steps_within_budget(max_epsilon, delta, noise_multiplier, sampling_rate, accountant) -> int:
     if noise_multiplier == 0 or epsilon(noise_multiplier, sampling_rate, 1, delta, accountant) > max_epsilon:
         return 0
     dp_accounting = _dp_accounting()

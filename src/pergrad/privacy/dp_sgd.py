@@ -86,10 +86,11 @@ class DPGaussian(WeightedAggregator):
 
     With ``seed=None`` (the default, and the only secure choice) the key
     comes from Python's :mod:`secrets` (the operating system's CSPRNG):
-    ``keras.utils.set_random_seed`` does not touch it. The key is never a
-    Keras variable: ``model.save``, ``save_weights`` and ``BackupAndRestore``
-    do not write it, and a loaded model, or weights loaded into this one,
-    draws a fresh key, so a restored run never replays noise an earlier run
+    ``keras.utils.set_random_seed`` does not touch it. The key is a
+    non-trainable variable (``noise_key``, so that a compiled step reads it at
+    run time) that is never saved: ``model.save``, ``save_weights`` and
+    ``BackupAndRestore`` write only ``step_count``, and a loaded model, or
+    weights loaded into this one, draws a fresh key, so a restored run never replays noise an earlier run
     released. With an integer ``seed`` the key is derived from it
     (``numpy.random.SeedSequence``): the noise of step ``t`` is reproducible,
     and a resumed run adds exactly the noise of an uninterrupted one. That is
@@ -194,16 +195,34 @@ class DPGaussian(WeightedAggregator):
         else:
             state = np.random.SeedSequence(self.seed).generate_state(2 * _STREAMS, dtype=np.uint64)
             words = [int(w) % _KEY_WORD for w in state]
-        self.__dict__["_noise_key"] = [(words[2 * i], words[2 * i + 1]) for i in range(_STREAMS)]
+        self.__dict__["_key_words"] = np.array(words, "int32").reshape(_STREAMS, 2)
+        if self.built:
+            self.noise_key.assign(self._key_words)
 
     def build(self, shapes=None):
         self.step_count = self.add_weight(
             shape=(), initializer="zeros", dtype="int32", trainable=False, name="step_count"
         )
+        # A variable, so that compiled train steps read the key at run time (a
+        # new key after a load takes effect) and JAX carries it in its state;
+        # never saved (see save_own_variables).
+        self.noise_key = self.add_weight(
+            shape=(_STREAMS, 2), initializer="zeros", dtype="int32", trainable=False, name="noise_key"
+        )
+        self.noise_key.assign(self._key_words)
         self.built = True
 
+    def save_own_variables(self, store):
+        # The step count only: the key must not reach files, weights or backups.
+        store["step_count"] = self.step_count
+
     def load_own_variables(self, store):
-        super().load_own_variables(store)
+        if "step_count" not in store:
+            raise ValueError(
+                f"No step count for {self.name!r} in the saved weights (keys {list(store.keys())}): "
+                "they were not saved from a DPGaussian of this version."
+            )
+        self.step_count.assign(store["step_count"])
         # Restored weights come with an earlier step count: a secret key must
         # not add again the noise it added at those steps.
         if self.seed is None:
@@ -252,17 +271,11 @@ class DPGaussian(WeightedAggregator):
 
     def standard_normal(self, size: int, step):
         """``size`` standard normal values for step ``step``, a pure function of (key, step)."""
-        bits = None
-        for (first, second), generator in zip(self._noise_key, self._noise_generators):
+        bits, key = None, self.noise_key.value
+        for stream, generator in enumerate(self._noise_generators):
             dtype = generator.state.dtype
-            generator.state.assign(
-                ops.stack(
-                    [
-                        ops.convert_to_tensor(first, dtype),
-                        ops.convert_to_tensor(second, dtype) + ops.cast(step, dtype),
-                    ]
-                )
-            )
+            first, second = ops.cast(key[stream, 0], dtype), ops.cast(key[stream, 1], dtype)
+            generator.state.assign(ops.stack([first, second + ops.cast(step, dtype)]))
             draw = keras.random.randint((size,), 0, 2**_BITS, dtype="int32", seed=generator)
             bits = draw if bits is None else ops.bitwise_xor(bits, draw)
         # 2k + 1 - 2^24 is odd and below 2^24 in magnitude: exact in float32.
