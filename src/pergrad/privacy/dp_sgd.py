@@ -25,10 +25,10 @@ from keras import ops
 from pergrad.aggregators.base import ExampleStatistics, WeightedAggregator
 
 # The noise: _STREAMS keyed randint streams XORed, _BITS bits per coordinate.
-# Key words stay below int32.max - 1, which TensorFlow's seed cast keeps.
+# Key words have 31 bits: non-negative in every backend's seed dtype.
 _STREAMS = 5
 _BITS = 24
-_KEY_WORD = 2**31 - 2
+_KEY_BITS = 31
 
 
 def zero_non_finite_examples(gradients: list) -> list:
@@ -76,7 +76,7 @@ class DPGaussian(WeightedAggregator):
     (``jax.random.normal`` also maps a float32 uniform through ``erfinv``;
     the tails stop near 5.4 standard deviations). The 24 bits are the XOR of
     5 independent ``keras.random.randint`` streams, each keyed by its own
-    pair of 31-bit key words plus the step count, so the noise of step ``t``
+    pair of 31-bit key words plus the step count (5 x 62 key bits), so the noise of step ``t``
     is a pure function of (key, ``t``). XOR makes each stream a one-time pad
     for the others: the noise is predictable only with every stream's key,
     and a guess of some of them leaves uniform bits, so the keys cannot be
@@ -86,16 +86,20 @@ class DPGaussian(WeightedAggregator):
 
     With ``seed=None`` (the default, and the only secure choice) the key
     comes from Python's :mod:`secrets` (the operating system's CSPRNG):
-    ``keras.utils.set_random_seed`` does not touch it. The key is a
-    non-trainable variable (``noise_key``, so that a compiled step reads it at
-    run time) that is never saved: ``model.save``, ``save_weights`` and
-    ``BackupAndRestore`` write only ``step_count``, and a loaded model, or
-    weights loaded into this one, draws a fresh key, so a restored run never replays noise an earlier run
-    released. With an integer ``seed`` the key is derived from it
-    (``numpy.random.SeedSequence``): the noise of step ``t`` is reproducible,
-    and a resumed run adds exactly the noise of an uninterrupted one. That is
-    for tests and debugging only and **not secure**: anyone who knows the
-    seed can subtract the noise (Opacus's ``secure_mode=False``).
+    ``keras.utils.set_random_seed`` does not touch it. The key is the XOR of
+    two halves. One lives only in this Python object (and the programs
+    compiled from it). The other is a non-trainable variable, ``noise_key``,
+    so that compiled steps read it at run time and it can change: it is never
+    saved (``model.save``, ``save_weights`` and ``BackupAndRestore`` write
+    only ``step_count``), and it is drawn afresh when this rule loads
+    weights, so a restored run never replays noise an earlier run released.
+    ``get_weights()`` shows ``noise_key`` but not the hidden half, and weights
+    copied into another model do not give it this key. With an integer
+    ``seed`` both halves are derived from it (``numpy.random.SeedSequence``):
+    the noise of step ``t`` is reproducible, and a resumed run adds exactly
+    the noise of an uninterrupted one. That is for tests and debugging only
+    and **not secure**: anyone who knows the seed can subtract the noise
+    (Opacus's ``secure_mode=False``).
 
     **Step count.** ``step_count``, a non-trainable int32 variable, counts the
     steps this rule has taken (one per call). It is model state: carried
@@ -186,18 +190,26 @@ class DPGaussian(WeightedAggregator):
         self.__dict__["_noise_generators"] = [
             keras.random.SeedGenerator(0, name=f"dp_noise_stream_{i}") for i in range(_STREAMS)
         ]
+        # The key is the XOR of two halves. This one lives only in this object
+        # (and the programs compiled from it): not in the variables, so not in
+        # get_weights(), and another instance given these weights has another key.
+        self.__dict__["_hidden_key"] = self._key_words(spawn=0)
         self._new_key()
 
-    def _new_key(self) -> None:
-        """Draws the noise key: secret with ``seed=None``, derived from ``seed`` otherwise."""
+    def _key_words(self, spawn: int) -> np.ndarray:
+        """``(_STREAMS, 2)`` 31-bit words: secret with ``seed=None``, derived from ``seed`` otherwise."""
         if self.seed is None:
-            words = [secrets.randbelow(_KEY_WORD) for _ in range(2 * _STREAMS)]
+            words = [secrets.randbits(_KEY_BITS) for _ in range(2 * _STREAMS)]
         else:
-            state = np.random.SeedSequence(self.seed).generate_state(2 * _STREAMS, dtype=np.uint64)
-            words = [int(w) % _KEY_WORD for w in state]
-        self.__dict__["_key_words"] = np.array(words, "int32").reshape(_STREAMS, 2)
+            sequence = np.random.SeedSequence(self.seed, spawn_key=(spawn,))
+            words = [int(w) >> (64 - _KEY_BITS) for w in sequence.generate_state(2 * _STREAMS, np.uint64)]
+        return np.array(words, "int32").reshape(_STREAMS, 2)
+
+    def _new_key(self) -> None:
+        """Draws the variable half of the key (``noise_key``): at construction and after a load."""
+        self.__dict__["_pending_key"] = self._key_words(spawn=1)
         if self.built:
-            self.noise_key.assign(self._key_words)
+            self.noise_key.assign(self._pending_key)
 
     def build(self, shapes=None):
         self.step_count = self.add_weight(
@@ -209,7 +221,7 @@ class DPGaussian(WeightedAggregator):
         self.noise_key = self.add_weight(
             shape=(_STREAMS, 2), initializer="zeros", dtype="int32", trainable=False, name="noise_key"
         )
-        self.noise_key.assign(self._key_words)
+        self.noise_key.assign(self._pending_key)
         self.built = True
 
     def save_own_variables(self, store):
@@ -271,7 +283,8 @@ class DPGaussian(WeightedAggregator):
 
     def standard_normal(self, size: int, step):
         """``size`` standard normal values for step ``step``, a pure function of (key, step)."""
-        bits, key = None, self.noise_key.value
+        hidden = ops.convert_to_tensor(self._hidden_key, "int32")
+        bits, key = None, ops.bitwise_xor(self.noise_key.value, hidden)
         for stream, generator in enumerate(self._noise_generators):
             dtype = generator.state.dtype
             first, second = ops.cast(key[stream, 0], dtype), ops.cast(key[stream, 1], dtype)
