@@ -124,6 +124,17 @@ def test_a_resumed_run_stops_where_an_uninterrupted_one_does(resume, uninterrupt
         resumed.fit(sampler(), epochs=1, verbose=0, callbacks=[accountant()])
 
 
+def test_a_budget_spent_in_a_backup_raises_before_the_first_step(tmp_path):
+    """The accountant listed before BackupAndRestore sees the restored count in time."""
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="interrupted"):  # 12 steps, no accountant
+        dp_model().fit(sampler(), epochs=10, verbose=0, callbacks=[backup, Interrupt(3)])
+    resumed = dp_model()
+    with pytest.raises(PrivacyBudgetExhaustedError, match="12 were already taken"):
+        resumed.fit(sampler(), epochs=10, verbose=0, callbacks=[accountant(), backup])
+    assert steps_of(resumed) == 12
+
+
 # -- 2. masked outputs -------------------------------------------------------------------------
 
 
