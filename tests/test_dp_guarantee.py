@@ -59,6 +59,15 @@ def weights_of(model):
     return [np.asarray(ops.convert_to_numpy(v)) for v in model.model.trainable_variables]
 
 
+class CountSteps(keras.callbacks.Callback):
+    """Counts the train steps run, across fits (independent of any step variable)."""
+
+    steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+
+
 class Interrupt(keras.callbacks.Callback):
     """Kills training when epoch ``epoch`` begins (after the previous epoch's backup)."""
 
@@ -74,9 +83,9 @@ class Interrupt(keras.callbacks.Callback):
 @pytest.fixture(scope="module")
 def uninterrupted():
     keras.utils.set_random_seed(1234)
-    model = dp_model()
-    history = model.fit(sampler(), epochs=10, verbose=0, callbacks=[accountant()])
-    return steps_of(model), history.history["epsilon"][-1], weights_of(model)
+    model, count = dp_model(), CountSteps()
+    history = model.fit(sampler(), epochs=10, verbose=0, callbacks=[accountant(), count])
+    return count.steps, history.history["epsilon"][-1], weights_of(model)
 
 
 # -- 1. the step count is state of the DP rule; the accountant reads it ----------------------
@@ -91,7 +100,7 @@ def test_a_resumed_run_stops_where_an_uninterrupted_one_does(resume, uninterrupt
     functions of (seed, step)) the same weights. A fit with the budget spent raises."""
     total, final_epsilon, final_weights = uninterrupted
     assert total == BUDGET_STEPS and final_epsilon <= BUDGET
-    first = dp_model()
+    first, count = dp_model(), CountSteps()
     if "backup" in resume:
         backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
 
@@ -99,27 +108,29 @@ def test_a_resumed_run_stops_where_an_uninterrupted_one_does(resume, uninterrupt
             return [accountant(), backup] if resume == "accountant_then_backup" else [backup, accountant()]
 
         with pytest.raises(RuntimeError, match="interrupted"):
-            first.fit(sampler(), epochs=10, verbose=0, callbacks=[*order(), Interrupt(2)])
+            first.fit(sampler(), epochs=10, verbose=0, callbacks=[*order(), Interrupt(2), count])
         resumed = dp_model()  # a new process: model, sampler and callbacks re-created
-        history = resumed.fit(sampler(), epochs=10, verbose=0, callbacks=order())
+        history = resumed.fit(sampler(), epochs=10, verbose=0, callbacks=[*order(), count])
     else:
         path = tmp_path / ("model.keras" if resume == "load_model_recompile" else "model.weights.h5")
         checkpoint = keras.callbacks.ModelCheckpoint(
             str(path), save_weights_only=resume == "weights_only", save_freq="epoch"
         )
         with pytest.raises(RuntimeError, match="interrupted"):
-            first.fit(sampler(), epochs=10, verbose=0, callbacks=[accountant(), checkpoint, Interrupt(2)])
+            callbacks = [accountant(), checkpoint, Interrupt(2), count]
+            first.fit(sampler(), epochs=10, verbose=0, callbacks=callbacks)
         if resume == "load_model_recompile":
             resumed = keras.models.load_model(path)
             resumed.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")  # a fresh optimizer
         else:
             resumed = dp_model()
             resumed.load_weights(path)
-        history = resumed.fit(sampler(), epochs=10, verbose=0, callbacks=[accountant()])
-    assert steps_of(resumed) == total
+        history = resumed.fit(sampler(), epochs=10, verbose=0, callbacks=[accountant(), count])
+    assert count.steps == total
     assert history.history["epsilon"][-1] == pytest.approx(final_epsilon, rel=1e-12)
     for got, want in zip(weights_of(resumed), final_weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert steps_of(resumed) == total
     with pytest.raises(PrivacyBudgetExhaustedError):
         resumed.fit(sampler(), epochs=1, verbose=0, callbacks=[accountant()])
 
