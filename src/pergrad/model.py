@@ -6,6 +6,7 @@ import keras
 from keras import ops, tree
 
 from pergrad import aggregators as aggregators_module
+from pergrad import chunked
 from pergrad.aggregators.base import check_result
 from pergrad.backend import adapter
 from pergrad.engine import PerExampleProblem, check_model
@@ -130,17 +131,26 @@ class PerExampleModel(keras.Model):
         """
         problem = self._problem()
         loss_scale = self._loss_scale()
-        per_example, aux = problem.compute(
-            trainable_values,
-            non_trainable_values,
-            x,
-            y,
-            sample_weight,
-            self.microbatch_size,
-            loss_scale=loss_scale,
-        )
         variables = self.model.trainable_variables
-        result = check_result(self.aggregator(per_example), variables, self.aggregator.name)
+        if self.microbatch_size is not None and chunked.supports(self.aggregator):
+            # Accumulated chunk by chunk: no (B, ...) per-example tensor exists.
+            per_example = None
+            result, aux = chunked.aggregate(
+                problem, self.aggregator, trainable_values, non_trainable_values,
+                x, y, sample_weight, self.microbatch_size, loss_scale=loss_scale,
+            )
+        else:
+            per_example, aux = problem.compute(
+                trainable_values,
+                non_trainable_values,
+                x,
+                y,
+                sample_weight,
+                self.microbatch_size,
+                loss_scale=loss_scale,
+            )
+            result = self.aggregator(per_example)
+        result = check_result(result, variables, self.aggregator.name)
         self.__dict__["_pending_reports"] = self.aggregator.pop_reports()
         _, regularization = problem.regularization(trainable_values)
         if regularization is not None:
