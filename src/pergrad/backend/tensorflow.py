@@ -103,6 +103,8 @@ def scan(f, init, xs):
     a ``None`` batch size). Iterations run one at a time, so that at most one
     chunk's intermediates are alive: that is the point of the loop.
     """
+    if tf.executing_eagerly():  # one trace for the whole loop, not one per iteration
+        return tf.function(lambda init, xs: scan(f, init, xs), autograph=False)(init, xs)
     init = tf.nest.map_structure(tf.convert_to_tensor, init)
     length = tf.shape(tf.nest.flatten(xs)[0])[0]
     specs = (
