@@ -39,7 +39,7 @@ def _rules():
     }
 
 
-def _both(problem, rule, sample_weight, training=True):
+def _both(problem, rule, sample_weight, training=True, loss_scale=None):
     """(unchunked result, aux), (chunked result, aux) from the same variable values."""
     model = problem.model
     engine = PerExampleProblem(model, problem.loss, training=training)
@@ -50,11 +50,14 @@ def _both(problem, rule, sample_weight, training=True):
     for r in (whole_rule, chunked_rule):
         r.build([(None,) + tuple(v.shape) for v in model.trainable_variables])
     keras.utils.set_random_seed(1)  # torch's unseeded dropout draws from its global RNG
-    grads, aux = engine.compute(values, states, problem.x, problem.y, sample_weight)
+    grads, aux = engine.compute(
+        values, states, problem.x, problem.y, sample_weight, loss_scale=loss_scale
+    )
     whole = whole_rule(grads)
     keras.utils.set_random_seed(1)
     result, chunked_aux = chunked.aggregate(
-        engine, chunked_rule, values, states, problem.x, problem.y, sample_weight, CHUNK
+        engine, chunked_rule, values, states, problem.x, problem.y, sample_weight, CHUNK,
+        loss_scale=loss_scale,
     )
     return (whole, aux), (result, chunked_aux)
 
@@ -89,10 +92,15 @@ def test_chunked_aggregate_equals_unchunked(dropout_problem, name):
 
 
 @pytest.mark.parametrize("name", ["mean", "clip"])
-def test_chunked_sum_reduction(name):
+def test_chunked_sum_reduction_and_loss_scale(name):
+    """A sum reduction scales each example by the whole B; a LossScaleOptimizer's
+    scale is divided by the whole B and removed again."""
     problem = problems.dense_mlp(batch=BATCH)
     problem.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
     _assert_same(*_both(problem, _rules()[name], problem.sample_weight), what=name)
+    problem = problems.dense_mlp(batch=BATCH)
+    scale = keras.ops.convert_to_tensor(1024.0)
+    _assert_same(*_both(problem, _rules()[name], None, loss_scale=scale), what=f"{name} scaled")
 
 
 @pytest.mark.parametrize("name", ["mean", "clip"])
@@ -147,3 +155,15 @@ def test_fit_never_materializes_every_per_example_gradient(monkeypatch):
     wrapper = pergrad.PerExampleModel(problem.model, clip(0.3), microbatch_size=CHUNK)
     problem.compile(wrapper)
     wrapper.fit(problem.x, problem.y, batch_size=BATCH, epochs=1, verbose=0)
+
+
+def test_rules_that_override_aggregate_keep_the_unchunked_path():
+    class Custom(pergrad.aggregators.WeightedAggregator):
+        def aggregate(self, gradients):
+            return [keras.ops.max(g, axis=0) for g in gradients]
+
+    assert chunked.supports(clip(1.0)) and chunked.supports(dp_gaussian(1.0, 1.0))
+    assert chunked.supports(chain(clip(1.0), krum(0.2)))
+    assert not chunked.supports(Custom())
+    assert not chunked.supports(pergrad.aggregators.median())
+    assert not chunked.supports(chain(pergrad.aggregators.bucketing(2), krum(0.2)))

@@ -38,8 +38,20 @@ from pergrad.backend import adapter
 
 
 def supports(aggregator) -> bool:
-    """Whether ``aggregator``'s result can be accumulated chunk by chunk."""
-    return isinstance(aggregator, WeightedAggregator) and aggregator.kind == STATISTICS
+    """Whether ``aggregator``'s result can be accumulated chunk by chunk.
+
+    A statistics rule whose ``aggregate`` is the protocol's (``example_weights``
+    then ``finalize``), or one of pergrad's that this module reproduces (mean,
+    sum, chain, DP-SGD's zeroing of non-finite examples). A subclass that
+    overrides ``aggregate`` gets all ``B`` per-example gradients, as before.
+    """
+    from pergrad.aggregators.compose import Chain
+    from pergrad.privacy.dp_sgd import DPGaussian
+
+    if not isinstance(aggregator, WeightedAggregator) or aggregator.kind != STATISTICS:
+        return False
+    known = (WeightedAggregator, Mean, Sum, Chain, DPGaussian)
+    return type(aggregator).aggregate in {cls.aggregate for cls in known}
 
 
 def finite_examples(gradients):
