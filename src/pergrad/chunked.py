@@ -183,7 +183,9 @@ def aggregate(
     if not supports(aggregator):
         raise TypeError(f"{type(aggregator).__name__} is not a statistics rule.")
     chunk = int(microbatch_size)
-    trainable_values = list(trainable_values)
+    # Constants here: on torch, values that require grad would make every chunk's
+    # per-example gradients part of an autograd graph kept alive by the sums.
+    trainable_values = [ops.stop_gradient(v) for v in trainable_values]
     batch_size = ops.shape(ops.convert_to_tensor(tree.flatten(x)[0]))[0]
     if isinstance(batch_size, int):
         aggregator.check_batch_size(batch_size)
