@@ -45,8 +45,11 @@ class PerExampleModel(keras.Model):
             subclassed; several inputs and outputs allowed).
         aggregator: an aggregator, its name (``"mean"``, ``"median"``, ...) or a
             function ``list[(B, ...)] -> list[(...)]``.
-        microbatch_size: compute per-example gradients in chunks of this many
-            examples to bound peak memory; results are the same.
+        microbatch_size: work through the batch in chunks of this many
+            examples; results are the same. For ``mean``, ``sum`` and
+            statistics rules the aggregate is accumulated chunk by chunk
+            (``pergrad.chunked``), which bounds peak memory; coordinate and
+            arbitrary rules still receive all B per-example gradients.
     """
 
     def __init__(self, model, aggregator="mean", *, microbatch_size: int | None = None, **kwargs):
