@@ -10,8 +10,9 @@ import pytest
 from keras import ops
 
 import pergrad
+from pergrad.aggregators.base import zero_non_finite_examples
 from pergrad.privacy import DPGaussian, PoissonSampler, dp_gaussian
-from pergrad.privacy.dp_sgd import normal_from_words, zero_non_finite_examples
+from pergrad.privacy.dp_sgd import normal_from_words
 
 SHAPES = [(3, 4), (5,), (2, 1, 3)]
 # One batch size and few shapes throughout: eager JAX compiles every new shape.

@@ -254,30 +254,9 @@ class PerExampleProblem:
         backward pass) and the gradients are divided by it again: callers get
         unscaled gradients.
         """
-        x, y = _map(ops.convert_to_tensor, x), _map(ops.convert_to_tensor, y)
-        batch_size = ops.shape(tree.flatten(x)[0])[0]
-        batched = {"x": x}
-        if y is not None:
-            batched["y"] = y
-        if sample_weight is not None:
-            # A copy: Keras multiplies the weights by the mask in place
-            # (`sample_weight *= float_mask` in keras.losses.loss.apply_mask), which
-            # on torch would write through to the caller's tensor.
-            batched["sample_weight"] = _map(
-                lambda t: ops.copy(ops.cast(t, keras.backend.floatx())), sample_weight
-            )
-        non_trainable_values = list(non_trainable_values)
-        if loss_scale is not None and not self.sum_reduction:
-            # Example i's share of the batch's mean loss is L_i / B: scaling by
-            # loss_scale / B gives the per-example backward pass the magnitudes of
-            # Keras's batched one, so float16 intermediates overflow (and the
-            # LossScaleOptimizer skips a step) exactly when plain fit() would.
-            loss_scale = ops.cast(loss_scale, "float32") / ops.cast(batch_size, "float32")
-        if self.seed_positions:
-            batched["seeds"] = [
-                self._example_seeds(non_trainable_values[p], batch_size)
-                for p in self.seed_positions
-            ]
+        batched, batch_size, non_trainable_values, loss_scale = self.batched_inputs(
+            non_trainable_values, x, y, sample_weight, loss_scale
+        )
         grads, aux = adapter().vectorized_grad(
             self._example_loss,
             list(trainable_values),
@@ -309,6 +288,42 @@ class PerExampleProblem:
             for p, new in zip(self.seed_positions, aux["seeds"])
         ]
         return grads, aux
+
+    def batched_inputs(self, non_trainable_values, x, y=None, sample_weight=None, loss_scale=None,
+                       padded_size=None):
+        """The per-example inputs of :meth:`compute`: ``(batched, B, non_trainable, loss_scale)``.
+
+        ``batched`` holds the inputs, targets, weights and each example's seed
+        states; ``loss_scale`` is the one each example's loss is multiplied by.
+        With ``padded_size``, the seed states are made for that many examples
+        (the first ``B`` are those of the batch), for a caller that pads it.
+        """
+        x, y = _map(ops.convert_to_tensor, x), _map(ops.convert_to_tensor, y)
+        batch_size = ops.shape(tree.flatten(x)[0])[0]
+        batched = {"x": x}
+        if y is not None:
+            batched["y"] = y
+        if sample_weight is not None:
+            # A copy: Keras multiplies the weights by the mask in place
+            # (`sample_weight *= float_mask` in keras.losses.loss.apply_mask), which
+            # on torch would write through to the caller's tensor.
+            batched["sample_weight"] = _map(
+                lambda t: ops.copy(ops.cast(t, keras.backend.floatx())), sample_weight
+            )
+        non_trainable_values = list(non_trainable_values)
+        if loss_scale is not None and not self.sum_reduction:
+            # Example i's share of the batch's mean loss is L_i / B: scaling by
+            # loss_scale / B gives the per-example backward pass the magnitudes of
+            # Keras's batched one, so float16 intermediates overflow (and the
+            # LossScaleOptimizer skips a step) exactly when plain fit() would.
+            loss_scale = ops.cast(loss_scale, "float32") / ops.cast(batch_size, "float32")
+        if self.seed_positions:
+            seeds_for = batch_size if padded_size is None else padded_size
+            batched["seeds"] = [
+                self._example_seeds(non_trainable_values[p], seeds_for)
+                for p in self.seed_positions
+            ]
+        return batched, batch_size, non_trainable_values, loss_scale
 
     @staticmethod
     def _example_seeds(state, batch_size):

@@ -6,7 +6,8 @@ import keras
 from keras import ops, tree
 
 from pergrad import aggregators as aggregators_module
-from pergrad.aggregators.base import check_result
+from pergrad import chunked
+from pergrad.aggregators.base import check_result, zero_non_finite_examples
 from pergrad.backend import adapter
 from pergrad.engine import PerExampleProblem, check_model
 
@@ -44,8 +45,11 @@ class PerExampleModel(keras.Model):
             subclassed; several inputs and outputs allowed).
         aggregator: an aggregator, its name (``"mean"``, ``"median"``, ...) or a
             function ``list[(B, ...)] -> list[(...)]``.
-        microbatch_size: compute per-example gradients in chunks of this many
-            examples to bound peak memory; results are the same.
+        microbatch_size: work through the batch in chunks of this many
+            examples; results are the same. For ``mean``, ``sum`` and
+            statistics rules the aggregate is accumulated chunk by chunk
+            (``pergrad.chunked``), which bounds peak memory; coordinate and
+            arbitrary rules still receive all B per-example gradients.
     """
 
     def __init__(self, model, aggregator="mean", *, microbatch_size: int | None = None, **kwargs):
@@ -130,21 +134,34 @@ class PerExampleModel(keras.Model):
         """
         problem = self._problem()
         loss_scale = self._loss_scale()
-        per_example, aux = problem.compute(
-            trainable_values,
-            non_trainable_values,
-            x,
-            y,
-            sample_weight,
-            self.microbatch_size,
-            loss_scale=loss_scale,
-        )
         variables = self.model.trainable_variables
-        if getattr(self.aggregator, "differentially_private", False):
-            from pergrad.privacy.dp_sgd import prepare_dp_gradients
+        private = getattr(self.aggregator, "differentially_private", False)
+        if self.microbatch_size is not None and chunked.supports(self.aggregator):
+            # Accumulated chunk by chunk: no (B, ...) per-example tensor exists. A DP
+            # rule's non-finite examples are zeroed in every chunk.
+            per_example = None
+            result, aux = chunked.aggregate(
+                problem, self.aggregator, trainable_values, non_trainable_values,
+                x, y, sample_weight, self.microbatch_size, loss_scale=loss_scale,
+            )
+        else:
+            per_example, aux = problem.compute(
+                trainable_values,
+                non_trainable_values,
+                x,
+                y,
+                sample_weight,
+                self.microbatch_size,
+                loss_scale=loss_scale,
+            )
+            if private:
+                per_example = zero_non_finite_examples(per_example)
+            result = self.aggregator(per_example)
+        if private and "mask" in aux:
+            from pergrad.privacy.dp_sgd import refuse_masked_output
 
-            per_example = prepare_dp_gradients(per_example, masked="mask" in aux)
-        result = check_result(self.aggregator(per_example), variables, self.aggregator.name)
+            refuse_masked_output()
+        result = check_result(result, variables, self.aggregator.name)
         self.__dict__["_pending_reports"] = self.aggregator.pop_reports()
         _, regularization = problem.regularization(trainable_values)
         if regularization is not None:
@@ -155,9 +172,7 @@ class PerExampleModel(keras.Model):
         # reads every per-example gradient. For a DP rule the non-finite examples
         # were zeroed above: a NaN update would reveal, without noise, that one was
         # in the batch.
-        if self.aggregator.kind != aggregators_module.STATISTICS and not getattr(
-            self.aggregator, "differentially_private", False
-        ):
+        if self.aggregator.kind != aggregators_module.STATISTICS and not private:
             finite = _all_finite(per_example)
             result = [ops.where(finite, g, ops.cast(nan, g.dtype)) for g in result]
         if loss_scale is not None:  # LossScaleOptimizer expects scaled gradients

@@ -195,6 +195,27 @@ def weighted_sum(gradients, weights) -> list:
     return out
 
 
+def finite_examples(gradients) -> object:
+    """``(B,)`` booleans: whether example i's gradient is finite in every variable."""
+    rows = [ops.reshape(g, (ops.shape(g)[0], -1)) for g in gradients]
+    return ops.all(ops.stack([ops.all(ops.isfinite(r), axis=1) for r in rows], axis=1), axis=1)
+
+
+def zero_non_finite_examples(gradients) -> list:
+    """Sets to zero the gradient of every example that has a NaN or an infinity.
+
+    ``PerExampleModel`` applies it before a differentially private rule,
+    whatever wraps it and on every engine path: the example then contributes
+    nothing, which the sensitivity bound allows, whereas a NaN update would
+    reveal without noise that it was in the batch.
+    """
+    finite = finite_examples(gradients)
+    return [
+        ops.where(ops.reshape(finite, (-1,) + (1,) * (len(g.shape) - 1)), g, ops.zeros_like(g))
+        for g in gradients
+    ]
+
+
 @_serializable
 class WeightedAggregator(Aggregator):
     """Rules whose result is ``sum_i w_i g_i`` with weights from statistics.

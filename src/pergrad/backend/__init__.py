@@ -12,6 +12,11 @@ Each adapter offers the same small set of functions:
 - ``assert_at_least(value, minimum, message)``: a check of a size that may be
   unknown while tracing (TF's ``fit()`` retraces with a ``None`` batch size).
 - ``assert_no_python_loop``: nothing; the adapters never loop over examples.
+- ``scan(f, init, xs)`` (TF, JAX): ``jax.lax.scan`` in the graph, for
+  ``pergrad.chunked``; torch sets ``EAGER_LOOPS`` and is looped in Python.
+- ``random_state()`` / ``set_random_state(state)``: the global generators that
+  torch's unseeded random layers draw from (``None`` elsewhere), so that a
+  chunk recomputed by ``pergrad.chunked`` draws the same dropout masks.
 """
 
 import importlib

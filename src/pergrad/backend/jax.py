@@ -29,3 +29,17 @@ def no_grad():
 def grad(fn, params):
     value, grads = jax.value_and_grad(fn)(params)
     return value, grads
+
+
+def scan(f, init, xs):
+    """``jax.lax.scan``: one chunk's intermediates alive at a time."""
+    return jax.lax.scan(f, init, xs)
+
+
+def random_state():
+    """Nothing: every random draw comes from an explicit seed state."""
+    return None
+
+
+def set_random_state(state):
+    del state

@@ -94,3 +94,48 @@ def grad(fn, params):
         tape.watch(params)
         value = fn(params)
     return value, _dense(tape.gradient(value, params), params)
+
+
+def scan(f, init, xs):
+    """``jax.lax.scan``: ``f(carry, x) -> (carry, y)`` over the leading axis of ``xs``.
+
+    The loop's length may be unknown while tracing (TF's ``fit()`` retraces with
+    a ``None`` batch size). Iterations run one at a time, so that at most one
+    chunk's intermediates are alive: that is the point of the loop.
+    """
+    if tf.executing_eagerly():  # one trace for the whole loop, not one per iteration
+        return tf.function(lambda init, xs: scan(f, init, xs), autograph=False)(init, xs)
+    init = tf.nest.map_structure(tf.convert_to_tensor, init)
+    length = tf.shape(tf.nest.flatten(xs)[0])[0]
+    specs = (
+        tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), init),
+        tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), xs),
+    )
+    # The outputs' dtypes and shapes, from a trace (nothing runs): TensorArrays need them.
+    traced = tf.function(f, autograph=False).get_concrete_function(*specs)
+    out_specs = tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape, t.dtype), traced.structured_outputs[1]
+    )
+    arrays = [
+        tf.TensorArray(s.dtype, size=length, element_shape=s.shape)
+        for s in tf.nest.flatten(out_specs)
+    ]
+
+    def body(i, carry, arrays):
+        carry, out = f(carry, tf.nest.map_structure(lambda t: t[i], xs))
+        arrays = [a.write(i, v) for a, v in zip(arrays, tf.nest.flatten(out))]
+        return i + 1, carry, arrays
+
+    _, carry, arrays = tf.while_loop(
+        lambda i, *_: i < length, body, (tf.constant(0), init, arrays), parallel_iterations=1
+    )
+    return carry, tf.nest.pack_sequence_as(out_specs, [a.stack() for a in arrays])
+
+
+def random_state():
+    """Nothing: every random draw comes from an explicit seed state."""
+    return None
+
+
+def set_random_state(state):
+    del state

@@ -69,3 +69,21 @@ def grad(fn, params):
         grads = torch.autograd.grad(value, params, allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
     return value.detach(), grads
+
+
+#: ``pergrad.chunked`` loops in Python over chunks of known sizes.
+EAGER_LOOPS = True
+
+
+def random_state():
+    """The global generators' states: unseeded random layers draw from them."""
+    state = [torch.random.get_rng_state()]
+    if torch.cuda.is_available():
+        state.append(torch.cuda.get_rng_state_all())
+    return state
+
+
+def set_random_state(state):
+    torch.random.set_rng_state(state[0])
+    if len(state) > 1:
+        torch.cuda.set_rng_state_all(state[1])

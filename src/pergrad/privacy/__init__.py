@@ -17,6 +17,7 @@ Accounting (:func:`epsilon`, :func:`noise_multiplier_for`) needs the
 ``dp-accounting`` package (``pip install pergrad[privacy]``).
 """
 
+from pergrad.aggregators.base import zero_non_finite_examples
 from pergrad.privacy.accounting import (
     ACCOUNTANTS,
     dp_sgd_event,
@@ -32,7 +33,6 @@ from pergrad.privacy.callbacks import (
 from pergrad.privacy.dp_sgd import (
     DPGaussian,
     dp_gaussian,
-    zero_non_finite_examples,
 )
 from pergrad.privacy.sampling import (
     BatchOverflowError,

@@ -47,21 +47,6 @@ def normal_from_words(words):
     return ops.concatenate([radius * ops.cos(angle), radius * ops.sin(angle)])
 
 
-def zero_non_finite_examples(gradients: list) -> list:
-    """Sets to zero the gradient of every example that has a NaN or an infinity.
-
-    ``PerExampleModel`` applies it before a DP rule, whatever wraps it: the
-    example then contributes nothing, which the sensitivity bound allows,
-    whereas a NaN update would reveal without noise that it was in the batch.
-    """
-    rows = [ops.reshape(g, (ops.shape(g)[0], -1)) for g in gradients]
-    finite = ops.all(ops.stack([ops.all(ops.isfinite(r), axis=1) for r in rows], axis=1), axis=1)
-    return [
-        ops.where(ops.reshape(finite, (-1,) + (1,) * (len(g.shape) - 1)), g, ops.zeros_like(g))
-        for g in gradients
-    ]
-
-
 @keras.saving.register_keras_serializable(package="pergrad")
 class DPGaussian(WeightedAggregator):
     """Per-example clipping plus Gaussian noise (DP-SGD, Abadi et al., 2016).
@@ -387,27 +372,21 @@ def dp_gaussian(
     )
 
 
-def prepare_dp_gradients(gradients: list, masked: bool = False) -> list:
-    """What ``PerExampleModel`` does to per-example gradients before a DP rule.
+def refuse_masked_output() -> None:
+    """Raises: DP rules cannot train a model with a masked output.
 
-    Refuses masked outputs and zeroes non-finite examples
-    (:func:`zero_non_finite_examples`).
-
-    Raises:
-        ValueError: for a model with a masked output. Keras divides a masked
-            loss by the batch's total count of unmasked steps, so each
-            example's gradient is scaled, before clipping, by a factor that
-            depends on the other examples: one record then moves the update
-            by several times the clipping norm.
+    Keras divides a masked loss by the batch's total count of unmasked steps,
+    so each example's gradient is scaled, before clipping, by a factor that
+    depends on the other examples: one record then moves the update by
+    several times the clipping norm.
     """
-    if masked:
-        raise ValueError(
-            "DP rules cannot train a model with a masked output: Keras divides a masked "
-            "loss by the number of unmasked steps of the whole batch, so every example's "
-            "gradient depends on the other examples' lengths and clipping no longer "
-            "bounds one record's influence. Remove the mask (e.g. Embedding(mask_zero="
-            "False)) and give padding steps sample weight 0 with a (batch, time) "
-            "sample_weight instead: the loss is then divided by batch * time, which "
-            "does not depend on the other examples."
-        )
-    return zero_non_finite_examples(gradients)
+    raise ValueError(
+        "DP rules cannot train a model with a masked output: Keras divides a masked "
+        "loss by the number of unmasked steps of the whole batch, so every example's "
+        "gradient depends on the other examples' lengths and clipping no longer "
+        "bounds one record's influence. Remove the mask (e.g. Embedding(mask_zero="
+        "False)) and give padding steps sample weight 0 with a (batch, time) "
+        "sample_weight instead: the loss is then divided by batch * time, which "
+        "does not depend on the other examples."
+    )
+
