@@ -286,12 +286,14 @@ class FunctionAggregator(Aggregator):
             result = [self.function(g) for g in gradients]
         else:
             result = self.function(gradients)
-        # Checked before use: iterating over a tensor or a dict fails obscurely.
+        # Checked before use: iterating over a tensor or a dict fails obscurely. Shapes
+        # are left to `check_result`, which knows the variables' names.
         return _check_structure(
             result,
             [tuple(g.shape[1:]) for g in gradients],
             [f"#{k} (of {len(gradients)})" for k in range(len(gradients))],
             f"Aggregator function {_function_name(self.function)!r}",
+            check_shapes=False,
         )
 
     def get_config(self):
@@ -378,7 +380,7 @@ def _is_float_tensor(value) -> bool:
     return hasattr(value, "shape") and "float" in keras.backend.standardize_dtype(value.dtype)
 
 
-def _check_structure(result, shapes: Sequence, names: Sequence, who: str) -> list:
+def _check_structure(result, shapes: Sequence, names: Sequence, who: str, check_shapes=True) -> list:
     """Raises a clear error unless ``result`` is a list or tuple of float tensors of ``shapes``."""
     expected = (
         f"a list with one tensor per trainable variable ({len(shapes)} float tensors, of "
@@ -399,7 +401,7 @@ def _check_structure(result, shapes: Sequence, names: Sequence, who: str) -> lis
                 "expected a float tensor of that shape (a gradient: cast integer or bool "
                 "results with keras.ops.cast(value, 'float32'))."
             )
-        if tuple(value.shape) != tuple(shape):
+        if check_shapes and tuple(value.shape) != tuple(shape):
             raise ValueError(
                 f"{who} returned shape {tuple(value.shape)} for variable {name} of shape "
                 f"{tuple(shape)}."
