@@ -179,6 +179,11 @@ def test_microbatch_size_must_be_a_positive_int(size):
         pergrad.PerExampleModel(problem.model, microbatch_size=size)
 
 
+def test_an_aggregator_class_is_instantiated_not_wrapped_as_a_function():
+    """``aggregator=Median`` (the class) used to be wrapped as a function of the gradients."""
+    assert type(agg.get(agg.basic.Median)) is agg.basic.Median
+
+
 def test_microbatch_size_accepts_numpy_integers():
     wrapper = pergrad.PerExampleModel(problems.dense_mlp().model, microbatch_size=np.int64(4))
     assert wrapper.microbatch_size == 4 and type(wrapper.microbatch_size) is int

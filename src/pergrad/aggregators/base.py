@@ -344,6 +344,8 @@ def get(identifier) -> Aggregator:
         identifier = "mean"
     if isinstance(identifier, Aggregator):
         return identifier
+    if isinstance(identifier, type) and issubclass(identifier, Aggregator):
+        return identifier()  # the class itself (`Median`), not a function of gradients
     if isinstance(identifier, str):
         if identifier not in _REGISTERED:
             raise ValueError(
