@@ -271,7 +271,10 @@ class FunctionAggregator(Aggregator):
     """Wraps a plain function ``list[(B, ...)] -> list[(...)]`` (kind arbitrary).
 
     To save a model that uses it, register the function with
-    ``keras.saving.register_keras_serializable``.
+    ``keras.saving.register_keras_serializable`` (``get_config``, hence
+    ``model.save()``, warns when ``load_model`` could not restore it). The
+    function's result is type-checked before use: a list or tuple of float
+    tensors, one per variable.
     """
 
     def __init__(self, function: Callable, per_variable: bool = False, **kwargs):
@@ -302,7 +305,8 @@ class FunctionAggregator(Aggregator):
             warnings.warn(
                 f"The aggregator function {_function_name(self.function)!r} is not registered "
                 "with Keras: a model saved with it cannot be loaded by "
-                "keras.models.load_model(). Define it as a named function decorated with "
+                "keras.models.load_model() (unless it is given in custom_objects). Define it "
+                "as a named function decorated with "
                 "@keras.saving.register_keras_serializable() before saving.",
                 UserWarning,
                 stacklevel=2,
