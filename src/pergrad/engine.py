@@ -16,6 +16,7 @@ import keras
 from keras import ops, tree
 from keras.src.backend.common.masking import get_keras_mask
 
+from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
 
 # Per-example RNG streams: example i draws from the seed state offset by
@@ -387,8 +388,7 @@ def per_example_gradients(
         A list aligned with ``model.trainable_variables``; entry ``k`` has shape
         ``(B,) + model.trainable_variables[k].shape``. Dense tensors.
     """
-    if microbatch_size is not None and microbatch_size < 1:
-        raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size}.")
+    microbatch_size = check_microbatch_size(microbatch_size)
     problem = _problem(model, loss, training)
     problem._check_once(x, y)
     grads, aux = problem.compute(

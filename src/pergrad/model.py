@@ -8,6 +8,7 @@ from keras import ops, tree
 from pergrad import aggregators as aggregators_module
 from pergrad import chunked
 from pergrad.aggregators.base import check_result, zero_non_finite_examples
+from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
 from pergrad.engine import PerExampleProblem, check_model
 
@@ -54,11 +55,9 @@ class PerExampleModel(keras.Model):
 
     def __init__(self, model, aggregator="mean", *, microbatch_size: int | None = None, **kwargs):
         super().__init__(**kwargs)
-        if microbatch_size is not None and microbatch_size < 1:
-            raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size}.")
         self.model = model
         self.aggregator = aggregators_module.get(aggregator)
-        self.microbatch_size = microbatch_size
+        self.microbatch_size = check_microbatch_size(microbatch_size)
         self._diagnostic_trackers = [
             keras.metrics.Mean(name=name) for name in self.aggregator.diagnostics
         ]
@@ -183,6 +182,7 @@ class PerExampleModel(keras.Model):
         return result, y_pred, aux["seeds"]
 
     def _check_batch(self, x, y):
+        """Checks the batch; returns ``x``, on TF made to depend on the run-time check."""
         # The loss's per-example checks, as `per_example_gradients` makes them (once).
         self._problem()._check_once(x, y)
         size = tree.flatten(x)[0].shape[0]
@@ -195,10 +195,12 @@ class PerExampleModel(keras.Model):
             raise ValueError(message.format(size))
         if size is None and minimum > 1:
             # TF retraces fit()'s step with an unknown batch size once batches differ
-            # (a smaller last batch): check when the step runs.
-            adapter().assert_at_least(
-                ops.shape(tree.flatten(x)[0])[0], minimum, message.format("fewer")
+            # (a smaller last batch): check when the step runs, and compute everything
+            # from an `x` that waits for the check, so that no update runs if it fails.
+            x = adapter().assert_at_least(
+                ops.shape(tree.flatten(x)[0])[0], minimum, message.format("fewer"), x
             )
+        return x
 
     if _BACKEND == "jax":
 
@@ -247,7 +249,7 @@ class PerExampleModel(keras.Model):
 
         def train_step(self, data):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            self._check_batch(x, y)
+            x = self._check_batch(x, y)
             variables = self.model.non_trainable_variables
             grads, y_pred, seeds = self._aggregated_gradients(
                 [v.value for v in self.model.trainable_variables],
@@ -262,7 +264,7 @@ class PerExampleModel(keras.Model):
             # (before the update, with the same predictions).
             loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
             self._loss_tracker.update_state(loss, sample_weight=ops.shape(tree.flatten(x)[0])[0])
-            with adapter().no_grad():
+            with adapter().no_grad(after=x):  # after the batch check (TF graphs)
                 self.optimizer.apply(grads, self.model.trainable_variables)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 

@@ -20,6 +20,7 @@ saved by ``model.save()`` and restored by ``keras.models.load_model()``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import keras
@@ -293,7 +294,10 @@ class FunctionAggregator(Aggregator):
     """Wraps a plain function ``list[(B, ...)] -> list[(...)]`` (kind arbitrary).
 
     To save a model that uses it, register the function with
-    ``keras.saving.register_keras_serializable``.
+    ``keras.saving.register_keras_serializable`` (``get_config``, hence
+    ``model.save()``, warns when ``load_model`` could not restore it). The
+    function's result is type-checked before use: a list or tuple of float
+    tensors, one per variable.
     """
 
     def __init__(self, function: Callable, per_variable: bool = False, **kwargs):
@@ -305,15 +309,33 @@ class FunctionAggregator(Aggregator):
 
     def aggregate(self, gradients):
         if self.per_variable:
-            return [self.function(g) for g in gradients]
-        return list(self.function(gradients))
+            result = [self.function(g) for g in gradients]
+        else:
+            result = self.function(gradients)
+        # Checked before use: iterating over a tensor or a dict fails obscurely. Shapes
+        # are left to `check_result`, which knows the variables' names.
+        return _check_structure(
+            result,
+            [tuple(g.shape[1:]) for g in gradients],
+            [f"#{k} (of {len(gradients)})" for k in range(len(gradients))],
+            f"Aggregator function {_function_name(self.function)!r}",
+            check_shapes=False,
+        )
 
     def get_config(self):
+        function = keras.saving.serialize_keras_object(self.function)
+        if not _loadable(function):
+            warnings.warn(
+                f"The aggregator function {_function_name(self.function)!r} is not registered "
+                "with Keras: a model saved with it cannot be loaded by "
+                "keras.models.load_model() (unless it is given in custom_objects). Define it "
+                "as a named function decorated with "
+                "@keras.saving.register_keras_serializable() before saving.",
+                UserWarning,
+                stacklevel=2,
+            )
         config = super().get_config()
-        config.update(
-            function=keras.saving.serialize_keras_object(self.function),
-            per_variable=self.per_variable,
-        )
+        config.update(function=function, per_variable=self.per_variable)
         return config
 
     @classmethod
@@ -321,6 +343,21 @@ class FunctionAggregator(Aggregator):
         config = dict(config)
         config["function"] = keras.saving.deserialize_keras_object(config["function"])
         return cls(**config)
+
+
+def _function_name(function) -> str:
+    return getattr(function, "__name__", type(function).__name__)
+
+
+def _loadable(serialized) -> bool:
+    """Whether ``load_model`` (safe mode, no custom objects) can restore a serialized function."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            keras.saving.deserialize_keras_object(serialized, safe_mode=True)
+    except Exception:  # noqa: BLE001 - any failure means the saved model cannot be loaded
+        return False
+    return True
 
 
 def per_variable(function: Callable) -> FunctionAggregator:
@@ -334,6 +371,8 @@ def get(identifier) -> Aggregator:
         identifier = "mean"
     if isinstance(identifier, Aggregator):
         return identifier
+    if isinstance(identifier, type) and issubclass(identifier, Aggregator):
+        return identifier()  # the class itself (`Median`), not a function of gradients
     if isinstance(identifier, str):
         if identifier not in _REGISTERED:
             raise ValueError(
@@ -350,23 +389,64 @@ def get(identifier) -> Aggregator:
     )
 
 
-def check_result(result, variables: Sequence, aggregator_name: str) -> list:
-    """Raises a clear error when an aggregator returns the wrong structure."""
+def _describe(value) -> str:
+    """What an aggregator returned, in words: ``a dict with keys ['a']``, ``an int32 tensor ...``."""
+    if isinstance(value, dict):
+        return f"a dict with keys {list(value)[:5]}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        dtype = keras.backend.standardize_dtype(value.dtype)
+        article = "an" if dtype[0] in "aeiou" else "a"
+        return f"{article} {dtype} tensor of shape {tuple(value.shape)}"
+    where = "Python " if type(value).__module__ == "builtins" else ""
+    return f"a {where}{type(value).__name__} ({value!r:.40})"
+
+
+def _is_float_tensor(value) -> bool:
+    if isinstance(value, (bool, int, float, complex)) or not hasattr(value, "dtype"):
+        return False
+    return hasattr(value, "shape") and "float" in keras.backend.standardize_dtype(value.dtype)
+
+
+def _check_structure(result, shapes: Sequence, names: Sequence, who: str, check_shapes=True) -> list:
+    """Raises a clear error unless ``result`` is a list or tuple of float tensors of ``shapes``."""
+    expected = (
+        f"a list with one tensor per trainable variable ({len(shapes)} float tensors, of "
+        f"shapes {', '.join(str(s) for s in shapes)}; a tuple will do)"
+    )
     if not isinstance(result, (list, tuple)):
-        raise ValueError(
-            f"Aggregator {aggregator_name!r} must return a list with one tensor per "
-            f"trainable variable ({len(variables)}); got {type(result).__name__}."
-        )
+        raise ValueError(f"{who} must return {expected}; got {_describe(result)}.")
     result = list(result)
-    if len(result) != len(variables):
+    if len(result) != len(shapes):
         raise ValueError(
-            f"Aggregator {aggregator_name!r} returned {len(result)} tensors for "
-            f"{len(variables)} trainable variables."
+            f"{who} returned {len(result)} tensors for {len(shapes)} trainable variables; "
+            f"expected {expected}."
         )
-    for value, variable in zip(result, variables):
-        if tuple(value.shape) != tuple(variable.shape):
+    for value, shape, name in zip(result, shapes, names):
+        if not _is_float_tensor(value):
             raise ValueError(
-                f"Aggregator {aggregator_name!r} returned shape {tuple(value.shape)} for "
-                f"variable {variable.path!r} of shape {tuple(variable.shape)}."
+                f"{who} returned {_describe(value)} for variable {name} of shape {shape}; "
+                "expected a float tensor of that shape (a gradient: cast integer or bool "
+                "results with keras.ops.cast(value, 'float32'))."
+            )
+        if check_shapes and tuple(value.shape) != tuple(shape):
+            raise ValueError(
+                f"{who} returned shape {tuple(value.shape)} for variable {name} of shape "
+                f"{tuple(shape)}."
             )
     return result
+
+
+def check_result(result, variables: Sequence, aggregator_name: str) -> list:
+    """Raises a clear error when an aggregator returns the wrong structure.
+
+    Expected: a list or tuple of float tensors, one per trainable variable, of
+    the variables' shapes; the error says what came instead.
+    """
+    return _check_structure(
+        result,
+        [tuple(v.shape) for v in variables],
+        [repr(v.path) for v in variables],
+        f"Aggregator {aggregator_name!r}",
+    )

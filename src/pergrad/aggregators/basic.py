@@ -14,6 +14,7 @@ from pergrad.aggregators.base import (
     WeightedAggregator,
     register,
 )
+from pergrad.arguments import check_number
 
 
 def _serializable(cls):
@@ -68,9 +69,7 @@ class TrimmedMean(CoordinateAggregator):
 
     def __init__(self, trim: float = 0.1, **kwargs):
         super().__init__(**kwargs)
-        if not 0.0 <= trim < 0.5:
-            raise ValueError(f"trim must be in [0, 0.5), got {trim}.")
-        self.trim = trim
+        self.trim = check_number("trimmed_mean", "trim", trim, low=0.0, high=0.5, high_open=True)
 
     def _dropped(self, batch_size):
         if isinstance(batch_size, int):
@@ -120,9 +119,7 @@ class Clip(ScaledMean):
 
     def __init__(self, l2_norm: float, per_layer: bool = False, **kwargs):
         super().__init__(**kwargs)
-        if not l2_norm > 0:
-            raise ValueError(f"l2_norm must be positive, got {l2_norm}.")
-        self.l2_norm = float(l2_norm)
+        self.l2_norm = check_number("clip", "l2_norm", l2_norm, low=0.0, low_open=True)
         self.per_layer = per_layer
 
     def clip_factors(self, stats: ExampleStatistics):

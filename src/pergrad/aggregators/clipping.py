@@ -6,6 +6,7 @@ import keras
 from keras import ops
 
 from pergrad.aggregators.base import ExampleStatistics, ScaledMean, register
+from pergrad.arguments import check_number
 
 
 @keras.saving.register_keras_serializable(package="pergrad")
@@ -32,9 +33,7 @@ class AutomaticClip(ScaledMean):
 
     def __init__(self, gamma: float = 0.01, per_layer: bool = False, **kwargs):
         super().__init__(**kwargs)
-        if not gamma >= 0:
-            raise ValueError(f"gamma must be non-negative, got {gamma}.")
-        self.gamma = float(gamma)
+        self.gamma = check_number("automatic_clip", "gamma", gamma, low=0.0)
         self.per_layer = per_layer
 
     def example_scales(self, stats: ExampleStatistics):

@@ -27,6 +27,7 @@ from pergrad.aggregators.base import (
     batch_size_of,
     get,
 )
+from pergrad.arguments import check_integer
 
 
 def _serializable(cls):
@@ -202,9 +203,7 @@ class Bucketing(Aggregator):
 
     def __init__(self, size: int, aggregator=None, seed: int | None = None, **kwargs):
         super().__init__(**kwargs)
-        if int(size) != size or size < 1:
-            raise ValueError(f"bucketing size must be a positive integer, got {size}.")
-        self.size = int(size)
+        self.size = check_integer("bucketing", "size", size)
         self.aggregator = None if aggregator is None else get(aggregator)
         if self.aggregator is not None:
             _refuse_private(self.aggregator, "bucketing(...)")

@@ -29,16 +29,15 @@ from pergrad.aggregators.base import (
     register,
     weighted_sum,
 )
+from pergrad.arguments import check_integer, check_number
 
 
 def _serializable(cls):
     return keras.saving.register_keras_serializable(package="pergrad")(cls)
 
 
-def _check_fraction(name: str, value: float) -> float:
-    if not 0.0 <= value < 0.5:
-        raise ValueError(f"{name} must be in [0, 0.5), got {value}.")
-    return float(value)
+def _check_fraction(owner: str, name: str, value: float) -> float:
+    return check_number(owner, name, value, low=0.0, high=0.5, high_open=True)
 
 
 def _count(fraction: float, batch_size):
@@ -74,7 +73,7 @@ class MeaMed(CoordinateAggregator):
 
     def __init__(self, byzantine: float = 0.1, **kwargs):
         super().__init__(**kwargs)
-        self.byzantine = _check_fraction("byzantine", byzantine)
+        self.byzantine = _check_fraction("meamed", "byzantine", byzantine)
 
     def aggregate_variable(self, gradient):
         batch_size = ops.shape(gradient)[0]
@@ -116,10 +115,8 @@ class Krum(WeightedAggregator):
 
     def __init__(self, byzantine: float = 0.1, select: int = 1, **kwargs):
         super().__init__(**kwargs)
-        self.byzantine = _check_fraction("byzantine", byzantine)
-        if int(select) != select or select < 1:
-            raise ValueError(f"select must be a positive integer, got {select}.")
-        self.select = int(select)
+        self.byzantine = _check_fraction("krum", "byzantine", byzantine)
+        self.select = check_integer("krum", "select", select)
         size = 3
         while size - math.floor(self.byzantine * size) - 2 < 1:
             size += 1
@@ -174,12 +171,8 @@ class GeometricMedian(WeightedAggregator):
 
     def __init__(self, max_iter: int = 10, eps: float = 1e-6, **kwargs):
         super().__init__(**kwargs)
-        if int(max_iter) != max_iter or max_iter < 1:
-            raise ValueError(f"max_iter must be a positive integer, got {max_iter}.")
-        if not eps > 0:
-            raise ValueError(f"eps must be positive, got {eps}.")
-        self.max_iter = int(max_iter)
-        self.eps = float(eps)
+        self.max_iter = check_integer("geometric_median", "max_iter", max_iter)
+        self.eps = check_number("geometric_median", "eps", eps, low=0.0, low_open=True)
 
     def example_weights(self, stats: ExampleStatistics):
         gram = stats.gram
@@ -226,12 +219,8 @@ class CenteredClip(Aggregator):
 
     def __init__(self, tau: float, iters: int = 1, **kwargs):
         super().__init__(**kwargs)
-        if not tau > 0:
-            raise ValueError(f"tau must be positive, got {tau}.")
-        if int(iters) != iters or iters < 1:
-            raise ValueError(f"iters must be a positive integer, got {iters}.")
-        self.tau = float(tau)
-        self.iters = int(iters)
+        self.tau = check_number("centered_clip", "tau", tau, low=0.0, low_open=True)
+        self.iters = check_integer("centered_clip", "iters", iters)
         self.center = []
 
     def build(self, shapes):
@@ -312,12 +301,14 @@ class NormFilter(WeightedAggregator):
             factor = 3.0
         if factor is not None and drop_fraction is not None:
             raise ValueError("norm_filter takes either factor or drop_fraction, not both.")
-        if factor is not None and not factor >= 1.0:
-            raise ValueError(f"factor must be at least 1, got {factor}.")
-        if drop_fraction is not None and not 0.0 <= drop_fraction < 1.0:
-            raise ValueError(f"drop_fraction must be in [0, 1), got {drop_fraction}.")
-        self.factor = None if factor is None else float(factor)
-        self.drop_fraction = None if drop_fraction is None else float(drop_fraction)
+        if factor is not None:
+            factor = check_number("norm_filter", "factor", factor, low=1.0)
+        if drop_fraction is not None:
+            drop_fraction = check_number(
+                "norm_filter", "drop_fraction", drop_fraction, low=0.0, high=1.0, high_open=True
+            )
+        self.factor = factor
+        self.drop_fraction = drop_fraction
 
     def _kept(self, stats: ExampleStatistics):
         norms = ops.sqrt(stats.flat_squared_norms)

@@ -9,8 +9,11 @@ Each adapter offers the same small set of functions:
   ``(gradients, aux)`` with a leading batch axis on every leaf.
 - ``value_and_grad(fn, params)``: gradient of a scalar function of ``params``
   (used for batch-level losses such as weight regularizers).
-- ``assert_at_least(value, minimum, message)``: a check of a size that may be
-  unknown while tracing (TF's ``fit()`` retraces with a ``None`` batch size).
+- ``assert_at_least(value, minimum, message, guarded)``: a check of a size that
+  may be unknown while tracing (TF's ``fit()`` retraces with a ``None`` batch
+  size); returns ``guarded`` made to depend on it.
+- ``no_grad(after)``: the context of the optimizer's update (no autograd on
+  torch; on TF its ops run after the tensors ``after``).
 - ``assert_no_python_loop``: nothing; the adapters never loop over examples.
 - ``scan(f, init, xs)`` (TF, JAX): ``jax.lax.scan`` in the graph, for
   ``pergrad.chunked``; torch sets ``EAGER_LOOPS`` and is looped in Python.

@@ -1,6 +1,7 @@
 """TensorFlow adapter: ``tf.vectorized_map`` (pfor) over single-example gradients."""
 
 import contextlib
+import logging
 import warnings
 
 import tensorflow as tf
@@ -24,6 +25,24 @@ def _spec(structure, leading):
     return tf.nest.map_structure(
         lambda t: tf.TensorSpec(leading + t.shape[1:].as_list(), t.dtype), structure
     )
+
+
+@contextlib.contextmanager
+def _quiet_pfor():
+    """Silences TensorFlow's Python logger while pfor tries to convert our function.
+
+    When a conversion fails (an RNN's while loop with a mask), pfor logs dozens of
+    lines of graph dumps at ERROR level before raising; pergrad catches the error
+    and warns once, clearly, about its fallback. Only this attempt is silenced:
+    the level is restored afterwards.
+    """
+    logger = logging.getLogger("tensorflow")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
@@ -53,11 +72,13 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
             # In a function of its own: inside fit()'s graph, a conversion that fails
             # half-way would otherwise leave its stateful ops in the caller's graph,
             # where they run (and fail) at execution time.
-            return tf.function(vectorized, autograph=False)(batched)
+            with _quiet_pfor():
+                return tf.function(vectorized, autograph=False)(batched)
         except (TypeError, ValueError) as error:
             return loop(error)
     try:
-        out_spec = _output_spec(vectorized, _spec(batched, [microbatch_size]))
+        with _quiet_pfor():
+            out_spec = _output_spec(vectorized, _spec(batched, [microbatch_size]))
     except (TypeError, ValueError) as error:
         return loop(error)  # one example at a time: within any microbatch size
     leaves = tf.nest.flatten(batched)
@@ -70,7 +91,8 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
         return tf.reshape(t, tf.concat([[num_chunks, microbatch_size], tf.shape(t)[1:]], 0))
 
     chunks = tf.nest.map_structure(to_chunks, batched)
-    out = tf.map_fn(vectorized, chunks, fn_output_signature=out_spec)
+    with _quiet_pfor():  # the same conversion again, which succeeded above
+        out = tf.map_fn(vectorized, chunks, fn_output_signature=out_spec)
 
     def from_chunks(t):
         return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))[:batch_size]
@@ -78,14 +100,28 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
     return tf.nest.map_structure(from_chunks, out)
 
 
-def no_grad():
-    return contextlib.nullcontext()
+def no_grad(after=None):
+    """The optimizer's update context: its ops run after the tensors ``after`` (in a
+    graph, a variable update that reads no gradient, such as the optimizer's
+    iteration count, would otherwise not wait for a check that ``after`` depends on)."""
+    if after is None or tf.executing_eagerly():
+        return contextlib.nullcontext()
+    return tf.control_dependencies(tf.nest.flatten(after))
 
 
-def assert_at_least(value, minimum, message):
+def assert_at_least(value, minimum, message, guarded=None):
     """Fails at run time (``InvalidArgumentError``) when ``value < minimum``; for
-    sizes unknown while tracing."""
-    tf.debugging.assert_greater_equal(value, tf.cast(minimum, value.dtype), message=message)
+    sizes unknown while tracing.
+
+    Returns ``guarded`` (a nest of tensors) made to depend on the check: in a
+    graph, ops that nothing orders after the assertion may run before it fails
+    (the optimizer's update did), so callers compute from the returned tensors.
+    """
+    check = tf.debugging.assert_greater_equal(
+        value, tf.cast(minimum, value.dtype), message=message
+    )
+    with tf.control_dependencies([check] if check is not None else []):
+        return tf.nest.map_structure(tf.identity, guarded)
 
 
 def grad(fn, params):

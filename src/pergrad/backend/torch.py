@@ -51,13 +51,16 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
             ) from error
 
 
-def assert_at_least(value, minimum, message):
-    """Shapes are always known here (JAX retraces per shape, torch runs eagerly)."""
+def assert_at_least(value, minimum, message, guarded=None):
+    """Shapes are always known here (JAX retraces per shape, torch runs eagerly):
+    raises at once, before anything is computed, and returns ``guarded``."""
     if int(value) < minimum:
         raise ValueError(message)
+    return guarded
 
 
-def no_grad():
+def no_grad(after=None):
+    """The optimizer's update context: no autograd recording (eager: nothing to order)."""
     return torch.no_grad()
 
 
