@@ -19,6 +19,7 @@ import problems
 from pergrad import chunked
 from pergrad.aggregators import chain, clip, krum, mean
 from pergrad.aggregators import sum as sum_rule
+from pergrad.aggregators.base import zero_non_finite_examples
 from pergrad.engine import PerExampleProblem
 from pergrad.privacy import dp_gaussian
 
@@ -53,6 +54,8 @@ def _both(problem, rule, sample_weight, training=True, loss_scale=None):
     grads, aux = engine.compute(
         values, states, problem.x, problem.y, sample_weight, loss_scale=loss_scale
     )
+    if whole_rule.differentially_private:  # as PerExampleModel does before a DP rule
+        grads = zero_non_finite_examples(grads)
     whole = whole_rule(grads)
     keras.utils.set_random_seed(1)
     result, chunked_aux = chunked.aggregate(

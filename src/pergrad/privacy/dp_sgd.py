@@ -23,6 +23,7 @@ import numpy as np
 from keras import ops
 
 from pergrad.aggregators.base import ExampleStatistics, WeightedAggregator
+from pergrad.arguments import check_number
 
 # The noise: _STREAMS keyed randint streams XORed into _BITS-bit words, three
 # words (48 radius bits, 24 angle bits) per pair of coordinates (Box-Muller).
@@ -169,17 +170,11 @@ class DPGaussian(WeightedAggregator):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if not (math.isfinite(l2_norm_clip) and l2_norm_clip > 0):
-            raise ValueError(f"l2_norm_clip must be positive and finite, got {l2_norm_clip}.")
-        if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-            raise ValueError(
-                f"noise_multiplier must be non-negative and finite, got {noise_multiplier}."
-            )
-        if expected_batch_size is not None and not (
-            math.isfinite(expected_batch_size) and expected_batch_size > 0
-        ):
-            raise ValueError(
-                f"expected_batch_size must be positive and finite, got {expected_batch_size}."
+        l2_norm_clip = check_number("dp_gaussian", "l2_norm_clip", l2_norm_clip, low=0, low_open=True)
+        noise_multiplier = check_number("dp_gaussian", "noise_multiplier", noise_multiplier, low=0)
+        if expected_batch_size is not None:
+            expected_batch_size = check_number(
+                "dp_gaussian", "expected_batch_size", expected_batch_size, low=0, low_open=True
             )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise ValueError(f"seed must be None or an integer, got {seed!r}.")
