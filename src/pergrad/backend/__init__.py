@@ -9,6 +9,8 @@ Each adapter offers the same small set of functions:
   ``(gradients, aux)`` with a leading batch axis on every leaf.
 - ``value_and_grad(fn, params)``: gradient of a scalar function of ``params``
   (used for batch-level losses such as weight regularizers).
+- ``compile(fn)``: ``fn`` (pure in its tensor arguments) compiled once per input
+  signature: ``tf.function``, ``jax.jit``; on torch, eager with detached results.
 - ``assert_at_least(value, minimum, message)``: a check of a size that may be
   unknown while tracing (TF's ``fit()`` retraces with a ``None`` batch size).
 - ``assert_no_python_loop``: nothing; the adapters never loop over examples.

@@ -26,6 +26,11 @@ def no_grad():
     return contextlib.nullcontext()
 
 
+def compile(fn):
+    """``fn`` (pure in its arguments) jitted: traced once per input shape."""
+    return jax.jit(fn)
+
+
 def grad(fn, params):
     value, grads = jax.value_and_grad(fn)(params)
     return value, grads

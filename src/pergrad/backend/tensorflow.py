@@ -82,6 +82,12 @@ def no_grad():
     return contextlib.nullcontext()
 
 
+def compile(fn):
+    """``fn`` as a graph function, traced once per input signature (relaxed shapes:
+    a second batch size retraces once with an unknown batch size, then never)."""
+    return tf.function(fn, reduce_retracing=True, autograph=False)
+
+
 def assert_at_least(value, minimum, message):
     """Fails at run time (``InvalidArgumentError``) when ``value < minimum``; for
     sizes unknown while tracing."""
