@@ -83,9 +83,11 @@ def no_grad():
 
 
 def compile(fn):
-    """``fn`` as a graph function, traced once per input signature (relaxed shapes:
-    a second batch size retraces once with an unknown batch size, then never)."""
-    return tf.function(fn, reduce_retracing=True, autograph=False)
+    """``fn`` as a graph function, traced once per input signature (shapes and dtypes,
+    as ``jax.jit``). Not ``reduce_retracing``: it relaxes a sample weight of shape
+    ``(B,)`` then ``(B, 1)`` to an unknown rank, which the ``map_fn`` fallback cannot
+    take."""
+    return tf.function(fn, autograph=False)
 
 
 def assert_at_least(value, minimum, message):
