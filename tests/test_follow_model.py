@@ -171,8 +171,9 @@ def test_trainable_change_without_recompile_is_refused(change):
 
 def test_repeated_standalone_calls_are_compiled_once(monkeypatch):
     """TF and JAX trace the per-example pass once per model state and input signature;
-    torch runs eagerly. Results carry no autograd graph and match the oracle; a freeze
-    gives a new function for the new variables."""
+    torch runs eagerly. Results carry no autograd graph (``np.asarray``) and match the
+    oracle, also after the weights change; a freeze gives a new function for the new
+    variables."""
     calls = []
     compute = engine.PerExampleProblem.compute
 
@@ -189,6 +190,11 @@ def test_repeated_standalone_calls_are_compiled_once(monkeypatch):
         grads = pergrad.per_example_gradients(model, x, y)
         oracle.assert_gradients_close([np.asarray(g) for g in grads], expected)
     assert len(calls) == (3 if BACKEND == "torch" else 1)
+    model.set_weights([0.5 * w for w in model.get_weights()])  # read at every call, not traced in
+    oracle.assert_gradients_close(
+        pergrad.per_example_gradients(model, x, y), oracle.batch_of_one_gradients(model, x, y)
+    )
+    assert len(calls) == (4 if BACKEND == "torch" else 1)
     model.get_layer("base").trainable = False
     grads = pergrad.per_example_gradients(model, x, y)
     assert len(grads) == 2
