@@ -166,6 +166,21 @@ def test_trainable_change_without_recompile_is_refused(change):
     _fit(wrapper, x, y)
 
 
+def test_stateful_aggregator_built_for_other_variables_is_refused():
+    """``centered_clip`` keeps one center per trainable variable: after unfreezing, a
+    clear error instead of zipping the new gradients with the old centers."""
+    x, y = _data()
+    inner = _model()
+    inner.get_layer("base").trainable = False
+    wrapper = pergrad.PerExampleModel(inner, pergrad.aggregators.centered_clip(1.0))
+    wrapper.compile(optimizer="sgd", loss=_scce())
+    _fit(wrapper, x, y)
+    inner.get_layer("base").trainable = True
+    wrapper.compile(optimizer="sgd", loss=_scce())
+    with pytest.raises(ValueError, match=r"(?s)'centered_clip'.*keeps state.*new aggregator"):
+        _fit(wrapper, x, y)
+
+
 # --- standalone calls are compiled once ---------------------------------------------------------
 
 

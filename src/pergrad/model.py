@@ -110,11 +110,13 @@ class PerExampleModel(keras.Model):
         compiled = self.__dict__.get("_compiled_trainable")
         if compiled is None:
             return
+        # Layers created after compile() (built lazily) are not compared: a change of
+        # theirs comes from a parent's flag, which is.
         before = {id(layer): flag for layer, flag in compiled}
         changed = [
             layer.name
             for layer, flag in self._trainable_flags()
-            if before.get(id(layer), not flag) != flag
+            if before.get(id(layer), flag) != flag
         ]
         if changed:
             raise ValueError(
