@@ -307,3 +307,19 @@ def test_dp_diagnostics_are_off_unless_asked_and_dp_arguments_must_be_finite():
             dp_gaussian(*arguments)
     with pytest.raises(ValueError, match="finite"):
         dp_gaussian(1.0, 1.0, expected_batch_size=float("inf"))
+
+
+def test_fine_tuning_a_dp_model_keeps_its_step_count():
+    """Freeze a layer and recompile mid-training (the fine-tuning workflow): the DP rule's
+    state is not per variable, so it carries on and the accountant counts every step."""
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+    rule = dp_gaussian(1.0, NOISE, expected_batch_size=RATE * SIZE, seed=NOISE_SEED)
+    model = pergrad.PerExampleModel(inner, rule)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    model.fit(sampler(), epochs=1, verbose=0)
+    inner.layers[0].trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    history = model.fit(sampler(), epochs=1, verbose=0, callbacks=[PrivacyAccountant(NOISE, RATE, DELTA)])
+    assert steps_of(model) == 2 * round(1 / RATE)
+    expected = privacy.epsilon(NOISE, RATE, steps_of(model), DELTA)
+    assert history.history["epsilon"][-1] == pytest.approx(expected)

@@ -133,8 +133,9 @@ def test_loss_function_returning_a_scalar_is_refused():
         wrapper.fit(problem.x, problem.y, batch_size=3, verbose=0)
 
 
-@pytest.mark.parametrize("reduction", ["mean_with_sample_weight", "none", None])
+@pytest.mark.parametrize("reduction", ["mean_with_sample_weight"])
 def test_loss_reductions_that_are_not_a_mean_or_a_sum_are_refused(reduction):
+    # Unreduced losses (None, "none") are accepted: tests/test_follow_model.py.
     problem = problems.make("conv1d")
     loss = keras.losses.MeanSquaredError(reduction=reduction)
     with pytest.raises(ValueError, match=r"cannot be split into per-example losses.*'sum'"):

@@ -10,6 +10,8 @@ never by a Python loop over examples.
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from typing import Any
 
 import keras
@@ -25,6 +27,11 @@ from pergrad.backend import adapter
 _SEED_STRIDE = 40503
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+_UNREDUCED = (None, "none")
+
+# Problems (and their compiled functions) kept per model: enough for a few losses
+# and both training modes, bounded so that recompiling in a loop cannot leak.
+_CACHE_SIZE = 8
 
 
 def _flat_losses(loss):
@@ -48,6 +55,33 @@ def _reduction(loss) -> str | None:
     if isinstance(loss, keras.losses.Loss):
         return loss.reduction
     return "sum_over_batch_size"  # strings and functions are wrapped this way by Keras
+
+
+def _nest_map(fn, structure):
+    if isinstance(structure, (list, tuple)):
+        return type(structure)(_nest_map(fn, item) for item in structure)
+    if isinstance(structure, dict):
+        return {key: _nest_map(fn, item) for key, item in structure.items()}
+    return fn(structure)
+
+
+def mean_reduced(loss):
+    """``loss`` with every unreduced Keras loss replaced by a mean-reduced copy.
+
+    An unreduced loss (reduction ``None`` or ``"none"``) returns each example's
+    values; example i's loss ``L_i`` is then its value averaged over the non-batch
+    axes times its weight, which is exactly ``L_i`` of the same loss with the
+    default ``"sum_over_batch_size"`` reduction (masks included). Other losses are
+    returned as they are (the same objects).
+    """
+
+    def convert(item):
+        if isinstance(item, keras.losses.Loss) and _reduction(item) in _UNREDUCED:
+            item = copy.copy(item)  # the caller's object keeps its reduction
+            item.reduction = "sum_over_batch_size"
+        return item
+
+    return _nest_map(convert, loss)
 
 
 def _check_per_example_function(loss, y_true, y_pred):
@@ -75,7 +109,11 @@ def batch_normalization_layers(model) -> list:
 
 
 def check_model(model, training: bool = True) -> None:
-    """Raises a clear error for models whose per-example gradients are undefined."""
+    """Raises a clear error for models whose per-example gradients are undefined.
+
+    Cheap (a walk over the layers): run on every use, since the user may change
+    ``trainable`` flags at any time.
+    """
     if not model.built:
         raise ValueError(
             f"Model {model.name!r} is not built yet: call it on a batch or build it "
@@ -119,48 +157,55 @@ class PerExampleProblem:
         check_model(model, training)
         self.model = model
         self.training = training
-        if compile_loss is not None:
-            self.compile_loss = compile_loss  # a wrapper's compiled loss
-            user_loss = loss
-        elif loss is None:
+        if compile_loss is None and loss is None:
             compile_loss = getattr(model, "_compile_loss", None)
             if compile_loss is None:
                 raise ValueError(
                     f"Model {model.name!r} has no compiled loss: pass `loss=` or "
                     "compile the model with a loss."
                 )
-            self.compile_loss = compile_loss
-            user_loss = model.loss
+            loss = model.loss
+        self._user_losses = _flat_losses(loss)
+        unreduced = any(_reduction(item) in _UNREDUCED for item in self._user_losses)
+        if compile_loss is not None and not unreduced:
+            self.compile_loss = compile_loss  # the model's (or a wrapper's) compiled loss
         else:
             # Keras's own loss container: handles strings, functions, nests of
-            # losses matching the outputs, like `compile` does.
+            # losses matching the outputs, like `compile` does. An unreduced loss
+            # is replaced by its mean-reduced copy (same L_i, see `mean_reduced`),
+            # with the compiled loss weights.
             from keras.src.trainers.compile_utils import CompileLoss
 
-            self.compile_loss = CompileLoss(loss, output_names=getattr(model, "output_names", None))
-            user_loss = loss
-        self._user_losses = _flat_losses(user_loss)
+            weights = getattr(compile_loss, "_user_loss_weights", None)
+            names = getattr(compile_loss, "output_names", None) if compile_loss is not None else None
+            if names is None:
+                names = getattr(model, "output_names", None)
+            loss = mean_reduced(loss)
+            self._user_losses = _flat_losses(loss)
+            self.compile_loss = CompileLoss(loss, weights, output_names=names)
         reductions = {_reduction(item) for item in self._user_losses}
         if reductions <= set(_MEAN_REDUCTIONS):
             self.sum_reduction = False
         elif reductions == {"sum"}:
             self.sum_reduction = True
         else:
-            unreduced = (
-                " An unreduced loss (reduction None or 'none') is not a batch loss: Keras's "
-                "fit() sums it on TensorFlow and cannot differentiate it on JAX or torch."
-                if reductions & {None, "none"}
-                else ""
-            )
             raise ValueError(
                 f"Loss reductions {sorted(map(str, reductions))} cannot be split into "
                 "per-example losses whose mean is the batch loss. Use "
-                "'sum_over_batch_size' (the Keras default) or 'sum' for every output."
-                + unreduced
+                "'sum_over_batch_size' (the Keras default), 'sum' or None (unreduced, "
+                "used like the default) for every output."
             )
-        self.seed_positions = [
-            i for i, v in enumerate(model.non_trainable_variables) if _is_seed_state(v)
-        ]
         self._checked = False
+        # Compiled standalone functions, keyed on what they read from the model.
+        self._functions = OrderedDict()
+
+    @property
+    def seed_positions(self) -> list[int]:
+        """Positions of the RNG seed states among the model's non-trainable variables.
+
+        Derived on every use: freezing or unfreezing a layer moves them.
+        """
+        return [i for i, v in enumerate(self.model.non_trainable_variables) if _is_seed_state(v)]
 
     # -- the single-example loss -------------------------------------------------
 
@@ -347,12 +392,66 @@ class PerExampleProblem:
         return adapter().grad(total, list(trainable_values))
 
 
+def _loss_key(loss):
+    """Identity of a loss argument; strings by value (an equal literal is the same loss)."""
+    return _nest_map(lambda item: item if isinstance(item, str) or item is None else id(item), loss)
+
+
+def _bounded_get(cache: OrderedDict, key, make):
+    """``cache[key]``, made by ``make()`` if absent; the least recently used entry goes."""
+    if key in cache:
+        cache.move_to_end(key)
+    else:
+        cache[key] = make()
+        while len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
+    return cache[key]
+
+
 def _problem(model, loss, training) -> PerExampleProblem:
-    cache = model.__dict__.setdefault("_pergrad_problems", {})
-    key = (id(loss), training)
-    if key not in cache:
-        cache[key] = (loss, PerExampleProblem(model, loss, training=training))
-    return cache[key][1]
+    """The problem for ``model`` under its current loss, made once per key.
+
+    The key holds everything the problem derives from the user's objects: the
+    loss argument, or else the model's compiled loss and ``model.loss`` (a
+    recompile replaces both), and ``training``. Entries keep references to the
+    keyed objects, so that their ids cannot be reused while the entry lives.
+    What the user can change without a compile (``trainable`` flags, hence the
+    variables and the seed positions) is derived on use instead.
+    """
+    cache = model.__dict__.setdefault("_pergrad_problems", OrderedDict())
+    if loss is None:
+        compiled = getattr(model, "_compile_loss", None)
+        owners = (compiled, getattr(model, "loss", None))
+        key = ("compiled", id(compiled), id(owners[1]), training)
+    else:
+        owners = (loss,)
+        key = ("loss", repr(_loss_key(loss)), training)
+    entry = _bounded_get(cache, key, lambda: (owners, PerExampleProblem(model, loss, training=training)))
+    return entry[1]
+
+
+def _standalone_function(problem, microbatch_size):
+    """``problem.compute`` as a compiled, pure function of the variable values and data.
+
+    One per (trainable variables, non-trainable variables, microbatch size), in
+    order and by identity: a freeze or unfreeze selects another function. The
+    backend's compiler keys on the input signature itself (TF: relaxed shapes,
+    so a new batch size retraces at most once more; JAX: one trace per shape).
+    """
+    model = problem.model
+    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
+    key = (tuple(map(id, trainable)), tuple(map(id, non_trainable)), microbatch_size)
+
+    def make():
+        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+            grads, aux = problem.compute(
+                trainable_values, non_trainable_values, x, y, sample_weight, microbatch_size
+            )
+            return grads, aux["seeds"]
+
+        return (trainable, non_trainable), adapter().compile(pure)
+
+    return _bounded_get(problem._functions, key, make)[1]
 
 
 def per_example_gradients(
@@ -378,27 +477,37 @@ def per_example_gradients(
         x: the inputs, as the model takes them (a tensor, list or dict).
         y: the targets.
         sample_weight: optional per-example weights, shape ``(B,)``.
-        loss: the loss; defaults to the model's compiled loss. A Keras loss of any
-            mean-like or ``"sum"`` reduction, a string or a function.
+        loss: the loss; defaults to the model's compiled loss (the one of the
+            latest ``compile``). A Keras loss with a mean-like, ``"sum"`` or no
+            reduction (``None``: used like the default mean), a string or a function.
         training: whether the forward pass runs in training mode (dropout on).
         microbatch_size: compute the per-example pass in chunks of this many
             examples to bound peak memory; the results are the same.
 
+    The per-example pass is compiled once per model state (loss, ``training``,
+    which variables are trainable, ``microbatch_size``) and input signature:
+    calling this in a loop does not retrace (TensorFlow, JAX), and changes to the
+    model (a recompile, a freeze) are followed. Dropout seed states advance as
+    in a training-mode forward pass.
+
     Returns:
-        A list aligned with ``model.trainable_variables``; entry ``k`` has shape
-        ``(B,) + model.trainable_variables[k].shape``. Dense tensors.
+        A list aligned with ``model.trainable_variables`` (the current ones); entry
+        ``k`` has shape ``(B,) + model.trainable_variables[k].shape``. Dense
+        tensors, without an autograd graph on torch.
     """
     microbatch_size = check_microbatch_size(microbatch_size)
+    check_model(model, training)  # the flags may have changed since the last call
     problem = _problem(model, loss, training)
     problem._check_once(x, y)
-    grads, aux = problem.compute(
+    function = _standalone_function(problem, microbatch_size)
+    x, y, sample_weight = (_map(ops.convert_to_tensor, t) for t in (x, y, sample_weight))
+    grads, seeds = function(
         [v.value for v in model.trainable_variables],
         [v.value for v in model.non_trainable_variables],
         x,
         y,
         sample_weight,
-        microbatch_size,
     )
-    for position, state in zip(problem.seed_positions, aux["seeds"]):
+    for position, state in zip(problem.seed_positions, seeds):
         model.non_trainable_variables[position].assign(state)
     return grads

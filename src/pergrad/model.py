@@ -10,7 +10,7 @@ from pergrad import chunked
 from pergrad.aggregators.base import check_result, zero_non_finite_examples
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
-from pergrad.engine import PerExampleProblem, check_model
+from pergrad.engine import PerExampleProblem, check_model, mean_reduced
 
 _BACKEND = keras.backend.backend()
 
@@ -61,7 +61,7 @@ class PerExampleModel(keras.Model):
         self._diagnostic_trackers = [
             keras.metrics.Mean(name=name) for name in self.aggregator.diagnostics
         ]
-        self._problem_cache = None
+        self.__dict__["_problem_cache"] = None
         if model.built:
             self.build(None)
 
@@ -71,8 +71,76 @@ class PerExampleModel(keras.Model):
         if not self.model.built:
             self.model.build(input_shape)
         if not self.aggregator.built:
-            self.aggregator.build([(None,) + tuple(v.shape) for v in self.model.trainable_variables])
+            shapes = [(None,) + tuple(v.shape) for v in self.model.trainable_variables]
+            self.aggregator.build(shapes)
+            self.__dict__["_aggregator_shapes"] = shapes
         self.built = True
+
+    def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
+        """As ``keras.Model.compile``. An unreduced loss (``reduction=None``) is
+        used like the default ``"sum_over_batch_size"`` reduction (a copy of it
+        with that reduction is compiled): example i's loss is its value averaged
+        over the non-batch axes times its weight, and the logged loss is the
+        mean reduction's. Plain Keras cannot train an unreduced loss on JAX and
+        torch, and on TensorFlow differentiates its sum (B times larger steps).
+
+        Changes to ``trainable`` flags take effect at ``compile()``, as in Keras;
+        ``fit()`` refuses to run after such a change until the model is recompiled.
+        """
+        super().compile(optimizer, mean_reduced(loss), *args, **kwargs)
+        self.__dict__["_compiled_trainable"] = self._trainable_flags()
+
+    def compile_from_config(self, config):
+        # Keras does not compile a loaded model whose `compile` is overridden;
+        # this one only converts the loss, so the stock procedure applies.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if hasattr(self, "optimizer") and self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def make_train_function(self, force=False):
+        # Python-level, before every fit() and train_on_batch(): on TensorFlow the
+        # traced step would otherwise keep using the variables of its first trace.
+        if self.model.built:
+            check_model(self.model, training=True)
+        self._check_trainable_unchanged()
+        return super().make_train_function(force)
+
+    def _trainable_flags(self):
+        return [(layer, layer.trainable) for layer in self.model._flatten_layers(include_self=True)]
+
+    def _check_trainable_unchanged(self):
+        compiled = self.__dict__.get("_compiled_trainable")
+        if compiled is None:
+            return
+        # Layers created after compile() (built lazily) are not compared: a change of
+        # theirs comes from a parent's flag, which is.
+        before = {id(layer): flag for layer, flag in compiled}
+        changed = [
+            layer.name
+            for layer, flag in self._trainable_flags()
+            if before.get(id(layer), flag) != flag
+        ]
+        if changed:
+            raise ValueError(
+                f"Layer(s) {changed} changed their `trainable` flag since compile(). "
+                "Keras applies such changes only at compile() (plain fit() then ignores "
+                "them on TensorFlow and fails or follows them on JAX and torch): call "
+                "compile() again before fit() so that the change takes effect."
+            )
+        shapes = self.__dict__.get("_aggregator_shapes")
+        current = [(None,) + tuple(v.shape) for v in self.model.trainable_variables]
+        per_variable = any(
+            getattr(layer, "state_per_variable", False)
+            for layer in self.aggregator._flatten_layers(include_self=True)
+        )
+        if shapes is not None and per_variable and shapes != current:
+            raise ValueError(
+                f"Aggregator {self.aggregator.name!r} keeps state for the trainable "
+                f"variables the model had when it was built ({len(shapes)}); it now has "
+                f"{len(current)} of other shapes. Create a new aggregator and "
+                "PerExampleModel after changing which layers are trainable."
+            )
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
@@ -110,12 +178,21 @@ class PerExampleModel(keras.Model):
     # -- the per-example step, written once for every backend ------------------------
 
     def _problem(self) -> PerExampleProblem:
-        if self._problem_cache is None:
-            check_model(self.model, training=True)
-            self._problem_cache = PerExampleProblem(
+        """The per-example problem of the latest compile.
+
+        Keyed on the compiled loss container, which every ``compile()`` replaces;
+        the BatchNormalization check and the seed positions are derived on use
+        (``trainable`` flags may change at any time).
+        """
+        check_model(self.model, training=True)
+        cached = self.__dict__.get("_problem_cache")
+        if cached is None or cached[0] is not self._compile_loss:
+            problem = PerExampleProblem(
                 self.model, loss=self.loss, training=True, compile_loss=self._compile_loss
             )
-        return self._problem_cache
+            # Not tracked by Keras (a plain attribute); holds the container it is keyed on.
+            self.__dict__["_problem_cache"] = (self._compile_loss, problem)
+        return self.__dict__["_problem_cache"][1]
 
     def _loss_scale(self):
         optimizer = self.optimizer

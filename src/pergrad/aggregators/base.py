@@ -73,6 +73,9 @@ class Aggregator(keras.layers.Layer):
     min_batch_size: int = 1
     #: Whether the rule carries a differential-privacy guarantee (DP-SGD).
     differentially_private: bool = False
+    #: Whether the rule keeps state shaped like the trainable variables it was
+    #: built for (centered clipping's center): it cannot follow a freeze.
+    state_per_variable: bool = False
 
     def __init__(self, **kwargs):
         kwargs.setdefault("dtype", "float32")

@@ -216,6 +216,7 @@ class CenteredClip(Aggregator):
 
     kind = ARBITRARY
     diagnostics = ("clipped_fraction",)
+    state_per_variable = True
 
     def __init__(self, tau: float, iters: int = 1, **kwargs):
         super().__init__(**kwargs)

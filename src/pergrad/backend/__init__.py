@@ -14,6 +14,8 @@ Each adapter offers the same small set of functions:
   size); returns ``guarded`` made to depend on it.
 - ``no_grad(after)``: the context of the optimizer's update (no autograd on
   torch; on TF its ops run after the tensors ``after``).
+- ``compile(fn)``: ``fn`` (pure in its tensor arguments) compiled once per input
+  signature: ``tf.function``, ``jax.jit``; on torch, eager with detached results.
 - ``assert_no_python_loop``: nothing; the adapters never loop over examples.
 - ``scan(f, init, xs)`` (TF, JAX): ``jax.lax.scan`` in the graph, for
   ``pergrad.chunked``; torch sets ``EAGER_LOOPS`` and is looped in Python.

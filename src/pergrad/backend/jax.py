@@ -29,6 +29,11 @@ def no_grad(after=None):
     return contextlib.nullcontext()
 
 
+def compile(fn):
+    """``fn`` (pure in its arguments) jitted: traced once per input shape."""
+    return jax.jit(fn)
+
+
 def grad(fn, params):
     value, grads = jax.value_and_grad(fn)(params)
     return value, grads

@@ -109,6 +109,14 @@ def no_grad(after=None):
     return tf.control_dependencies(tf.nest.flatten(after))
 
 
+def compile(fn):
+    """``fn`` as a graph function, traced once per input signature (shapes and dtypes,
+    as ``jax.jit``). Not ``reduce_retracing``: it relaxes a sample weight of shape
+    ``(B,)`` then ``(B, 1)`` to an unknown rank, which the ``map_fn`` fallback cannot
+    take."""
+    return tf.function(fn, autograph=False)
+
+
 def assert_at_least(value, minimum, message, guarded=None):
     """Fails at run time (``InvalidArgumentError``) when ``value < minimum``; for
     sizes unknown while tracing.

@@ -64,6 +64,26 @@ def no_grad(after=None):
     return torch.no_grad()
 
 
+def _detach(structure):
+    if isinstance(structure, torch.Tensor):
+        return structure.detach()
+    if isinstance(structure, (list, tuple)):
+        return type(structure)(_detach(item) for item in structure)
+    if isinstance(structure, dict):
+        return {key: _detach(item) for key, item in structure.items()}
+    return structure
+
+
+def compile(fn):
+    """Nothing to compile (eager); ``fn`` runs on detached inputs and returns
+    detached outputs, so results carry no autograd graph (``np.asarray`` works)."""
+
+    def detached(*args):
+        return _detach(fn(*_detach(args)))
+
+    return detached
+
+
 def grad(fn, params):
     """Value and gradient of the scalar ``fn(params)``; zeros where unconnected."""
     with torch.enable_grad():
