@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 import keras
 from keras import ops
 
+from pergrad import compat
+
 STATISTICS = "statistics"
 COORDINATE = "coordinate"
 ARBITRARY = "arbitrary"
@@ -130,14 +132,14 @@ class Aggregator(keras.layers.Layer):
 
     def save_own_variables(self, store):
         super().save_own_variables(store)
-        for index, generator in enumerate(self._seed_generators):
+        for index, generator in enumerate(compat.seed_generators(self)):
             store[f"seed_generator_{index}"] = generator.state
 
     def load_own_variables(self, store):
         seeds = {key for key in store.keys() if str(key).startswith("seed_generator_")}
         own = {key: store[key] for key in store.keys() if key not in seeds}
         super().load_own_variables(own)
-        for index, generator in enumerate(self._seed_generators):
+        for index, generator in enumerate(compat.seed_generators(self)):
             key = f"seed_generator_{index}"
             if key in seeds:
                 generator.state.assign(store[key])
