@@ -2,10 +2,10 @@
 
 Example i's loss ``L_i`` is the model's reduced data loss evaluated on example
 i alone, rescaled so that ``mean_i L_i`` equals the loss Keras reduces over the
-batch (DESIGN §1). Its gradient is computed for every example at once by the
-backend's vectorizing transform (``tf.vectorized_map``, ``jax.vmap``,
-``torch.func.vmap``) around a forward pass run inside a ``keras.StatelessScope``,
-never by a Python loop over examples.
+batch (docs/architecture.md, 'Per-example gradients'). Its gradient is computed
+for every example at once by the backend's vectorizing transform
+(``tf.vectorized_map``, ``jax.vmap``, ``torch.func.vmap``) around a forward
+pass run inside a ``keras.StatelessScope``, never by a Python loop over examples.
 """
 
 from __future__ import annotations
@@ -308,7 +308,8 @@ class PerExampleProblem:
             {"non_trainable": non_trainable_values, "loss_scale": loss_scale},
             microbatch_size,
         )
-        # L_i rescaled to the batch's normalization (DESIGN §1): a factor per
+        # L_i rescaled to the batch's normalization (docs/architecture.md,
+        # 'Per-example gradients'): a factor per
         # example, constant in the parameters, so it can scale the gradient.
         example_scale = None
         if self.sum_reduction:

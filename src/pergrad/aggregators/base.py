@@ -4,7 +4,7 @@ An aggregator maps per-example gradients ``g_1..g_B`` (a list aligned with the
 model's trainable variables, entry k of shape ``(B,) + variable_k.shape``) to
 one gradient (a list of the variables' shapes). Any callable with that
 signature is an aggregator. The classes here add what the engine can use to
-pick a cheaper path (DESIGN §2): the aggregator's *kind*.
+pick a cheaper path (docs/architecture.md, 'Aggregator kinds'): the aggregator's *kind*.
 
 - ``"statistics"`` (:class:`WeightedAggregator`): the result is
   ``sum_i w_i g_i`` (plus, optionally, noise) with weights computed from
