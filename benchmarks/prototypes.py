@@ -12,7 +12,7 @@ Nothing here is used by pergrad itself; each piece is a proposal for
      the vectorized map (XLA then fuses each per-example gradient into its
      reduction; TF/torch build one variable's per-example gradients at a time);
    - pass 2: one ordinary backward pass of ``sum_i w_i L_i`` with ``w`` held
-     constant (DESIGN §2: ``sum_i w_i g_i`` is that gradient).
+     constant (docs/architecture.md, 'Aggregator kinds': ``sum_i w_i g_i`` is that gradient).
 
    ``mean`` and ``sum`` need no statistics, so they cost one backward pass:
    what plain Keras does.
@@ -246,7 +246,8 @@ def prototype_model(inner, aggregation: str):
 
 
 # --------------------------------------------------------------------------------------
-# 3. the layer-rule ceiling for Dense-only models (DESIGN §3.2), by hand
+# 3. the layer-rule ceiling for Dense-only models, by hand
+#    (docs/architecture.md, 'The planned layer-rule fast path')
 
 
 @keras.saving.register_keras_serializable(package="pergrad_bench")

@@ -222,8 +222,9 @@ def aggregate(
     sums, out = chunks.loop(first_pass, zeros, record=True)
 
     partial = out["partial"]
-    # The whole batch's constants of DESIGN §1, the same for every example: B
-    # for a sum reduction, B / sum_j valid_j for masks (valid_i is in `partial`).
+    # The whole batch's constants (docs/architecture.md, 'Per-example gradients'),
+    # the same for every example: B for a sum reduction, B / sum_j valid_j for
+    # masks (valid_i is in `partial`).
     constant = ops.convert_to_tensor(1.0, "float32")
     if "mask" in out:
         constant = constant * ops.cast(batch_size, "float32") / ops.sum(partial)

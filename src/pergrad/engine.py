@@ -2,10 +2,10 @@
 
 Example i's loss ``L_i`` is the model's reduced data loss evaluated on example
 i alone, rescaled so that ``mean_i L_i`` equals the loss Keras reduces over the
-batch (DESIGN §1). Its gradient is computed for every example at once by the
-backend's vectorizing transform (``tf.vectorized_map``, ``jax.vmap``,
-``torch.func.vmap``) around a forward pass run inside a ``keras.StatelessScope``,
-never by a Python loop over examples.
+batch (docs/architecture.md, 'Per-example gradients'). Its gradient is computed
+for every example at once by the backend's vectorizing transform
+(``tf.vectorized_map``, ``jax.vmap``, ``torch.func.vmap``) around a forward
+pass run inside a ``keras.StatelessScope``, never by a Python loop over examples.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import keras
 from keras import ops, tree
-from keras.src.backend.common.masking import get_keras_mask
 
+from pergrad import compat
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
 
@@ -103,7 +103,7 @@ def batch_normalization_layers(model) -> list:
     """Layers that mix examples in the forward pass when training."""
     return [
         layer
-        for layer in model._flatten_layers(include_self=False, recursive=True)
+        for layer in compat.flatten_layers(model, include_self=False, recursive=True)
         if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
     ]
 
@@ -137,8 +137,7 @@ def check_model(model, training: bool = True) -> None:
             )
 
 
-def _is_seed_state(variable) -> bool:
-    return variable.path.endswith("seed_generator_state")
+_is_seed_state = compat.is_seed_state
 
 
 class PerExampleProblem:
@@ -158,7 +157,7 @@ class PerExampleProblem:
         self.model = model
         self.training = training
         if compile_loss is None and loss is None:
-            compile_loss = getattr(model, "_compile_loss", None)
+            compile_loss = compat.compiled_loss(model)
             if compile_loss is None:
                 raise ValueError(
                     f"Model {model.name!r} has no compiled loss: pass `loss=` or "
@@ -174,15 +173,13 @@ class PerExampleProblem:
             # losses matching the outputs, like `compile` does. An unreduced loss
             # is replaced by its mean-reduced copy (same L_i, see `mean_reduced`),
             # with the compiled loss weights.
-            from keras.src.trainers.compile_utils import CompileLoss
-
-            weights = getattr(compile_loss, "_user_loss_weights", None)
+            weights = compat.compiled_loss_weights(compile_loss)
             names = getattr(compile_loss, "output_names", None) if compile_loss is not None else None
             if names is None:
                 names = getattr(model, "output_names", None)
             loss = mean_reduced(loss)
             self._user_losses = _flat_losses(loss)
-            self.compile_loss = CompileLoss(loss, weights, output_names=names)
+            self.compile_loss = compat.make_compile_loss(loss, weights, names)
         reductions = {_reduction(item) for item in self._user_losses}
         if reductions <= set(_MEAN_REDUCTIONS):
             self.sum_reduction = False
@@ -235,8 +232,9 @@ class PerExampleProblem:
                 "regularizers are supported."
             )
         # Not `getattr(out, "_keras_mask")`: JAX arrays cannot carry attributes, so
-        # Keras keeps their masks in a side table that only `get_keras_mask` reads.
-        masks = [get_keras_mask(out) for out in tree.flatten(y_pred)]
+        # Keras keeps their masks in a side table that only
+        # `get_keras_mask` (compat.get_mask) reads.
+        masks = [compat.get_mask(out) for out in tree.flatten(y_pred)]
         # The scope swallows the loss container's metric updates (per-output loss
         # trackers); it must also give them values to read: Keras's JAX fit()
         # empties every variable it carries in its state.
@@ -310,7 +308,8 @@ class PerExampleProblem:
             {"non_trainable": non_trainable_values, "loss_scale": loss_scale},
             microbatch_size,
         )
-        # L_i rescaled to the batch's normalization (DESIGN §1): a factor per
+        # L_i rescaled to the batch's normalization (docs/architecture.md,
+        # 'Per-example gradients'): a factor per
         # example, constant in the parameters, so it can scale the gradient.
         example_scale = None
         if self.sum_reduction:
@@ -420,7 +419,7 @@ def _problem(model, loss, training) -> PerExampleProblem:
     """
     cache = model.__dict__.setdefault("_pergrad_problems", OrderedDict())
     if loss is None:
-        compiled = getattr(model, "_compile_loss", None)
+        compiled = compat.compiled_loss(model)
         owners = (compiled, getattr(model, "loss", None))
         key = ("compiled", id(compiled), id(owners[1]), training)
     else:

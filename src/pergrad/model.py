@@ -6,19 +6,13 @@ import keras
 from keras import ops, tree
 
 from pergrad import aggregators as aggregators_module
-from pergrad import chunked
+from pergrad import chunked, compat
 from pergrad.aggregators.base import check_result, zero_non_finite_examples
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
 from pergrad.engine import PerExampleProblem, check_model, mean_reduced
 
 _BACKEND = keras.backend.backend()
-
-
-def _set_mask(tensor, mask):
-    from keras.src.backend.common.masking import set_keras_mask
-
-    set_keras_mask(tensor, mask)
 
 
 def _all_finite(gradients):
@@ -107,7 +101,7 @@ class PerExampleModel(keras.Model):
         return super().make_train_function(force)
 
     def _trainable_flags(self):
-        return [(layer, layer.trainable) for layer in self.model._flatten_layers(include_self=True)]
+        return [(layer, layer.trainable) for layer in compat.flatten_layers(self.model, include_self=True)]
 
     def _check_trainable_unchanged(self):
         compiled = self.__dict__.get("_compiled_trainable")
@@ -132,7 +126,7 @@ class PerExampleModel(keras.Model):
         current = [(None,) + tuple(v.shape) for v in self.model.trainable_variables]
         per_variable = any(
             getattr(layer, "state_per_variable", False)
-            for layer in self.aggregator._flatten_layers(include_self=True)
+            for layer in compat.flatten_layers(self.aggregator, include_self=True)
         )
         if shapes is not None and per_variable and shapes != current:
             raise ValueError(
@@ -186,12 +180,13 @@ class PerExampleModel(keras.Model):
         """
         check_model(self.model, training=True)
         cached = self.__dict__.get("_problem_cache")
-        if cached is None or cached[0] is not self._compile_loss:
+        compile_loss = compat.compiled_loss(self)
+        if cached is None or cached[0] is not compile_loss:
             problem = PerExampleProblem(
-                self.model, loss=self.loss, training=True, compile_loss=self._compile_loss
+                self.model, loss=self.loss, training=True, compile_loss=compile_loss
             )
             # Not tracked by Keras (a plain attribute); holds the container it is keyed on.
-            self.__dict__["_problem_cache"] = (self._compile_loss, problem)
+            self.__dict__["_problem_cache"] = (compile_loss, problem)
         return self.__dict__["_problem_cache"][1]
 
     def _loss_scale(self):
@@ -255,7 +250,7 @@ class PerExampleModel(keras.Model):
             result = [g * ops.cast(loss_scale, g.dtype) for g in result]
         y_pred = aux["y_pred"]
         if "mask" in aux:
-            _set_mask(tree.flatten(y_pred)[0], aux["mask"])
+            compat.set_mask(tree.flatten(y_pred)[0], aux["mask"])
         return result, y_pred, aux["seeds"]
 
     def _check_batch(self, x, y):
@@ -317,8 +312,8 @@ class PerExampleModel(keras.Model):
             trainable, optimizer_variables = self.optimizer.stateless_apply(
                 optimizer_variables, grads, trainable
             )
-            logs, metrics_variables = self._update_metrics_variables(
-                metrics_variables, loss, x, y, y_pred, sample_weight
+            logs, metrics_variables = compat.update_metrics_variables(
+                self, metrics_variables, loss, x, y, y_pred, sample_weight
             )
             return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
 
@@ -340,7 +335,7 @@ class PerExampleModel(keras.Model):
             # The logged loss is the one plain Keras reports for this batch
             # (before the update, with the same predictions).
             loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
-            self._loss_tracker.update_state(loss, sample_weight=ops.shape(tree.flatten(x)[0])[0])
+            compat.loss_tracker(self).update_state(loss, sample_weight=ops.shape(tree.flatten(x)[0])[0])
             with adapter().no_grad(after=x):  # after the batch check (TF graphs)
                 self.optimizer.apply(grads, self.model.trainable_variables)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

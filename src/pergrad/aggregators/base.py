@@ -4,7 +4,7 @@ An aggregator maps per-example gradients ``g_1..g_B`` (a list aligned with the
 model's trainable variables, entry k of shape ``(B,) + variable_k.shape``) to
 one gradient (a list of the variables' shapes). Any callable with that
 signature is an aggregator. The classes here add what the engine can use to
-pick a cheaper path (DESIGN §2): the aggregator's *kind*.
+pick a cheaper path (docs/architecture.md, 'Aggregator kinds'): the aggregator's *kind*.
 
 - ``"statistics"`` (:class:`WeightedAggregator`): the result is
   ``sum_i w_i g_i`` (plus, optionally, noise) with weights computed from
@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 
 import keras
 from keras import ops
+
+from pergrad import compat
 
 STATISTICS = "statistics"
 COORDINATE = "coordinate"
@@ -130,14 +132,14 @@ class Aggregator(keras.layers.Layer):
 
     def save_own_variables(self, store):
         super().save_own_variables(store)
-        for index, generator in enumerate(self._seed_generators):
+        for index, generator in enumerate(compat.seed_generators(self)):
             store[f"seed_generator_{index}"] = generator.state
 
     def load_own_variables(self, store):
         seeds = {key for key in store.keys() if str(key).startswith("seed_generator_")}
         own = {key: store[key] for key in store.keys() if key not in seeds}
         super().load_own_variables(own)
-        for index, generator in enumerate(self._seed_generators):
+        for index, generator in enumerate(compat.seed_generators(self)):
             key = f"seed_generator_{index}"
             if key in seeds:
                 generator.state.assign(store[key])

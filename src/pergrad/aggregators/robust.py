@@ -4,7 +4,7 @@ sign majority and a norm filter.
 A rule that tolerates a fraction of bad examples takes it as ``byzantine``:
 ``f = floor(byzantine * B)`` examples of a batch of ``B`` may be arbitrary.
 Rules that need the Gram matrix ``G_ij = <g_i, g_j>`` (Krum, geometric median)
-work in B-space only (DESIGN §2): a pairwise squared distance is
+work in B-space only (docs/architecture.md, 'Aggregator kinds'): a pairwise squared distance is
 ``G_ii + G_jj - 2 G_ij`` and the distance from ``g_i`` to ``z = sum_j w_j g_j``
 is ``G_ii - 2 (G w)_i + w^T G w``; no ``B x B x P`` tensor is ever built.
 

@@ -23,6 +23,7 @@ import warnings
 import keras
 from keras import tree
 
+from pergrad import compat
 from pergrad.privacy.sampling import PoissonSampler
 
 
@@ -35,11 +36,10 @@ class NotPoissonSampledWarning(UserWarning):
 
 
 def _layers(model):
-    return model._flatten_layers(include_self=False, recursive=True)
+    return compat.flatten_layers(model, include_self=False, recursive=True)
 
 
-def _is_seed_state(variable) -> bool:
-    return variable.path.endswith("seed_generator_state")
+_is_seed_state = compat.is_seed_state
 
 
 def validate_model_for_dp(model, x=None) -> None:

@@ -1,0 +1,63 @@
+"""Every use of private Keras API in pergrad, in one place.
+
+Keras keeps these names private (``keras.src...`` modules, underscore
+attributes), so a Keras release may move or rename them without notice. Each
+one pergrad needs is wrapped here by a small function, so that a Keras upgrade
+touches this file only. Tests may still reach into Keras directly.
+"""
+
+from __future__ import annotations
+
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+
+
+def get_mask(tensor):
+    """``keras.src...masking.get_keras_mask``: an output's mask, which JAX arrays keep in a side table."""
+    return get_keras_mask(tensor)
+
+
+def set_mask(tensor, mask):
+    """``keras.src...masking.set_keras_mask``: gives the step's predictions the mask the forward pass had."""
+    set_keras_mask(tensor, mask)
+
+
+def make_compile_loss(loss, loss_weights, output_names):
+    """``keras.src.trainers.compile_utils.CompileLoss``: the loss container ``compile()`` builds."""
+    from keras.src.trainers.compile_utils import CompileLoss
+
+    return CompileLoss(loss, loss_weights, output_names=output_names)
+
+
+def compiled_loss(model):
+    """``Trainer._compile_loss``: the model's compiled loss container (``None`` before ``compile()``)."""
+    return getattr(model, "_compile_loss", None)
+
+
+def compiled_loss_weights(compile_loss):
+    """``CompileLoss._user_loss_weights``: the ``loss_weights`` given to ``compile()``, to keep them."""
+    return getattr(compile_loss, "_user_loss_weights", None)
+
+
+def flatten_layers(layer, include_self: bool = True, recursive: bool = True) -> list:
+    """``Layer._flatten_layers``: the layers a layer tracks, to check and freeze them all."""
+    return layer._flatten_layers(include_self=include_self, recursive=recursive)
+
+
+def seed_generators(layer) -> list:
+    """``Layer._seed_generators``: the SeedGenerators a layer owns, whose states Keras does not save."""
+    return layer._seed_generators
+
+
+def is_seed_state(variable) -> bool:
+    """Whether a variable is a SeedGenerator's state, by Keras's path naming (``seed_generator_state``)."""
+    return variable.path.endswith("seed_generator_state")
+
+
+def loss_tracker(model):
+    """``Trainer._loss_tracker``: the metric behind the ``loss`` that ``fit()`` logs."""
+    return model._loss_tracker
+
+
+def update_metrics_variables(model, metrics_variables, loss, x, y, y_pred, sample_weight):
+    """``JAXTrainer._update_metrics_variables``: the stateless metric update of a JAX ``train_step``."""
+    return model._update_metrics_variables(metrics_variables, loss, x, y, y_pred, sample_weight)
