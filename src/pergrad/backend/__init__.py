@@ -1,13 +1,14 @@
 """Backend adapters: the only modules that import TensorFlow, JAX or PyTorch.
 
-Each adapter offers the same small set of functions:
+Each adapter offers the same small set of functions (none loops over examples in
+Python, except torch's chunk loop of ``pergrad.chunked``, over chunks):
 
 - ``vectorized_grad(fn, params, batched, shared, microbatch_size)``: the
   gradient of ``fn(params, example, shared) -> (loss, aux)`` with respect to
   ``params`` for every example of ``batched`` (a nest whose leaves share a
   leading batch axis), vectorized with the backend's own transform. Returns
   ``(gradients, aux)`` with a leading batch axis on every leaf.
-- ``value_and_grad(fn, params)``: gradient of a scalar function of ``params``
+- ``grad(fn, params)``: value and gradient of a scalar function of ``params``
   (used for batch-level losses such as weight regularizers).
 - ``assert_at_least(value, minimum, message, guarded)``: a check of a size that
   may be unknown while tracing (TF's ``fit()`` retraces with a ``None`` batch
@@ -16,7 +17,6 @@ Each adapter offers the same small set of functions:
   torch; on TF its ops run after the tensors ``after``).
 - ``compile(fn)``: ``fn`` (pure in its tensor arguments) compiled once per input
   signature: ``tf.function``, ``jax.jit``; on torch, eager with detached results.
-- ``assert_no_python_loop``: nothing; the adapters never loop over examples.
 - ``scan(f, init, xs)`` (TF, JAX): ``jax.lax.scan`` in the graph, for
   ``pergrad.chunked``; torch sets ``EAGER_LOOPS`` and is looped in Python.
 - ``random_state()`` / ``set_random_state(state)``: the global generators that
