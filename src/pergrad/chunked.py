@@ -273,7 +273,7 @@ def aggregate(
             return accumulate(sums, rows, per_variable), ops.zeros_like(item["present"])
 
         sums = chunks.loop(second_pass, zeros, extra=weights)[0]
-        result = aggregator.finalize([ops.reshape(s, shape) for s, shape in zip(sums, shapes)])
+        result = aggregator.finalize([ops.reshape(s, shape) for s, shape in zip(sums, shapes)], stats)
 
     aux = {
         "loss": out["loss"] * ops.cast(example_scale, out["loss"].dtype),

@@ -227,7 +227,8 @@ class WeightedAggregator(Aggregator):
     """Rules whose result is ``sum_i w_i g_i`` with weights from statistics.
 
     Subclasses implement :meth:`example_weights` and may override
-    :meth:`finalize` (e.g. to add noise). With only statistics needed, a fast
+    :meth:`finalize` (e.g. to add noise), which receives the weighted sum and
+    the same statistics, so that no state passes between the two calls. With only statistics needed, a fast
     engine can compute the result without materializing per-example gradients:
     ``sum_i w_i g_i`` is the gradient of ``sum_i w_i L_i`` with ``w`` fixed.
     """
@@ -240,12 +241,13 @@ class WeightedAggregator(Aggregator):
         """Returns weights of shape ``(B,)`` or ``(B, V)`` (one per variable)."""
         raise NotImplementedError
 
-    def finalize(self, result: list) -> list:
+    def finalize(self, result: list, stats: ExampleStatistics) -> list:
+        """The result from ``sum_i w_i g_i`` and the statistics the weights came from."""
         return result
 
     def aggregate(self, gradients):
         stats = ExampleStatistics.from_gradients(gradients, gram=self.needs_gram)
-        return self.finalize(weighted_sum(gradients, self.example_weights(stats)))
+        return self.finalize(weighted_sum(gradients, self.example_weights(stats)), stats)
 
 
 def scale_examples(gradients, scales) -> list:

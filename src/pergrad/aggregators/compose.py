@@ -149,8 +149,10 @@ class Chain(WeightedAggregator):
         weights = self.steps[-1].example_weights(stats)
         return weights if scales is None else _multiply_weights(scales, weights)
 
-    def finalize(self, result):
-        return self.steps[-1].finalize(result)
+    def finalize(self, result, stats):
+        # The chain's input statistics: no final rule of a chain reads them here
+        # (DP rules, whose noise does, are refused in chains).
+        return self.steps[-1].finalize(result, stats)
 
     def aggregate(self, gradients):
         if self.kind == STATISTICS:

@@ -276,11 +276,7 @@ class DPGaussian(WeightedAggregator):
         return ops.where(ops.isnan(factors), 0.0, factors)
 
     def example_weights(self, stats: ExampleStatistics):
-        denominator = self._denominator(stats)
-        # ``finalize`` (called next, in the same step) divides the noise by the
-        # same denominator; the protocol hands it only the weighted sum.
-        self.__dict__["_step_denominator"] = denominator
-        return self.clip_factors(stats) / denominator
+        return self.clip_factors(stats) / self._denominator(stats)
 
     def standard_normal(self, size: int, step):
         """``size`` standard normal values for step ``step``, a pure function of (key, step)."""
@@ -295,14 +291,12 @@ class DPGaussian(WeightedAggregator):
             bits = draw if bits is None else ops.bitwise_xor(bits, draw)
         return normal_from_words(bits)[:size]
 
-    def finalize(self, result: list) -> list:
-        denominator = self.__dict__.pop("_step_denominator", None)
+    def finalize(self, result: list, stats: ExampleStatistics) -> list:
         step = self.step_count.value
         self.step_count.assign(step + 1)
         if self.noise_multiplier == 0:
             return result
-        if denominator is None:
-            raise RuntimeError("DPGaussian.finalize must follow example_weights in the same step.")
+        denominator = self._denominator(stats)  # the weights' denominator
         # One draw for all variables: one key per stream and step.
         sizes = [math.prod(g.shape) for g in result]
         noise = self.standard_normal(sum(sizes), step)
