@@ -323,3 +323,15 @@ def test_fine_tuning_a_dp_model_keeps_its_step_count():
     assert steps_of(model) == 2 * round(1 / RATE)
     expected = privacy.epsilon(NOISE, RATE, steps_of(model), DELTA)
     assert history.history["epsilon"][-1] == pytest.approx(expected)
+
+
+def test_callbacks_given_positionally_still_sync_the_sampler():
+    """fit(x, y, batch_size, epochs, verbose, callbacks): the resumed sampler draws steps 4-7."""
+    straight = dp_model()
+    straight.fit(sampler(), epochs=2, verbose=0)
+    resumed = dp_model()
+    resumed.fit(sampler(), epochs=1, verbose=0)
+    resumed.fit(sampler(), None, None, 1, 0, [keras.callbacks.History()])
+    assert steps_of(resumed) == steps_of(straight)
+    for got, want in zip(weights_of(resumed), weights_of(straight)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -350,9 +350,12 @@ class PerExampleModel(keras.Model):
             # Refuses example-mixing layers and an accountant that does not match the
             # sampler or the rule; warns without Poisson sampling.
             check_dp_fit(self, x, callbacks)
-        if isinstance(x, PoissonSampler) and len(args) <= 3:
+        if isinstance(x, PoissonSampler):
             # Draws follow the step count restored by BackupAndRestore (after it).
-            kwargs["callbacks"] = x.with_step_callback(callbacks)
+            if len(args) > 3:  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+                args = (*args[:3], x.with_step_callback(callbacks), *args[4:])
+            else:
+                kwargs["callbacks"] = x.with_step_callback(callbacks)
         return super().fit(x, y, *args, **kwargs)
 
     def _inner_non_trainable_positions(self) -> list[int]:
