@@ -24,6 +24,10 @@ def assert_at_least(value, minimum, message, guarded=None):
     return guarded
 
 
+def warn_known_problems(layers):
+    """No known backend problem with any layer."""
+
+
 def no_grad(after=None):
     """The optimizer's update context (JAX's step is a pure function: nothing to order)."""
     return contextlib.nullcontext()

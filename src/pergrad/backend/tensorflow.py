@@ -2,6 +2,7 @@
 
 import contextlib
 import logging
+import os
 import warnings
 
 import tensorflow as tf
@@ -98,6 +99,26 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
         return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))[:batch_size]
 
     return tf.nest.map_structure(from_chunks, out)
+
+
+def warn_known_problems(layers):
+    """Warns when the model has layers that TensorFlow's oneDNN kernels (on by default on
+    x86 CPUs) break in the vectorized per-example pass: memory corruption in attention,
+    seen as an abort (``free(): invalid pointer``) or garbage gradients with TF 2.21."""
+    import keras
+
+    if os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower() in ("0", "false"):
+        return
+    kinds = (keras.layers.MultiHeadAttention, keras.layers.EinsumDense)
+    names = sorted({layer.name for layer in layers if isinstance(layer, kinds)})
+    if names:
+        warnings.warn(
+            f"Layer(s) {names}: TensorFlow's oneDNN kernels have been seen to corrupt memory in "
+            "the vectorized per-example pass of attention (the process aborts or the gradients "
+            "are garbage; TensorFlow 2.21, x86). Set the environment variable "
+            "TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported.",
+            stacklevel=4,
+        )
 
 
 def no_grad(after=None):
