@@ -8,25 +8,25 @@ import warnings
 import keras
 
 from pergrad.privacy.accounting import epsilon, make_accountant, steps_within_budget
-from pergrad.privacy.validation import validate_model_for_dp
+from pergrad.privacy.validation import check_accountant_matches, validate_model_for_dp
 
 
 class PrivacyBudgetExhaustedError(RuntimeError):
     """Training was asked to continue after the privacy budget was spent."""
 
 
-def dp_step_count(model) -> int | None:
-    """The number of steps the model's DP rule has taken, or ``None`` without one.
+def steps_taken(model) -> int:
+    """The number of steps the model has taken, for accounting and sampling.
 
-    Read from the rule's ``step_count`` variable: model state, restored with
-    the weights by every Keras path and never reset by ``compile()``.
+    For a DP rule, its ``step_count`` variable: model state, restored with the
+    weights by every Keras path and never reset by ``compile()``. Otherwise
+    ``optimizer.iterations`` (0 without an optimizer).
     """
     aggregator = getattr(model, "aggregator", None)
-    if not getattr(aggregator, "differentially_private", False):
-        return None
-    if not aggregator.built:
-        return 0
-    return int(keras.ops.convert_to_numpy(aggregator.step_count))
+    if getattr(aggregator, "differentially_private", False):
+        return int(keras.ops.convert_to_numpy(aggregator.step_count)) if aggregator.built else 0
+    optimizer = getattr(model, "optimizer", None)
+    return int(keras.ops.convert_to_numpy(optimizer.iterations)) if optimizer is not None else 0
 
 
 class PrivacyAccountant(keras.callbacks.Callback):
@@ -104,12 +104,9 @@ class PrivacyAccountant(keras.callbacks.Callback):
         return epsilon(self.noise_multiplier, self.sampling_rate, self.steps, self.delta, self.accountant)
 
     def _read_steps(self) -> int:
-        steps = dp_step_count(self.model)
-        if steps is None:  # not a DP model (warned at train begin): count optimizer steps
-            optimizer = getattr(self.model, "optimizer", None)
-            steps = int(keras.ops.convert_to_numpy(optimizer.iterations)) if optimizer else 0
-        self.steps = steps
-        return steps
+        # Optimizer steps for a model without a DP rule (warned at train begin).
+        self.steps = steps_taken(self.model)
+        return self.steps
 
     def _check_model(self) -> None:
         inner = getattr(self.model, "model", None)
@@ -123,11 +120,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
                 stacklevel=3,
             )
             return
-        if not math.isclose(aggregator.noise_multiplier, self.noise_multiplier, rel_tol=1e-9):
-            raise ValueError(
-                f"PrivacyAccountant(noise_multiplier={self.noise_multiplier}) does not match "
-                f"the model's aggregator (noise_multiplier={aggregator.noise_multiplier})."
-            )
+        check_accountant_matches(self, aggregator)
 
     def _check_budget(self) -> None:
         if self.max_steps is not None and self._read_steps() >= self.max_steps:

@@ -247,10 +247,6 @@ class _StepSync(keras.callbacks.Callback):
         self.sampler = sampler
 
     def on_train_begin(self, logs=None):
-        from pergrad.privacy.callbacks import dp_step_count
+        from pergrad.privacy.callbacks import steps_taken
 
-        steps = dp_step_count(self.model)
-        if steps is None:
-            optimizer = getattr(self.model, "optimizer", None)
-            steps = int(keras.ops.convert_to_numpy(optimizer.iterations)) if optimizer is not None else 0
-        self.sampler.set_step(steps)
+        self.sampler.set_step(steps_taken(self.model))

@@ -102,23 +102,22 @@ def _accountants(callbacks) -> list:
     return [c for c in callbacks if isinstance(c, PrivacyAccountant)]
 
 
-def _check_accountants(aggregator, sampler, callbacks) -> None:
-    """An accountant must describe the mechanism that runs: same ``z``, same ``q``."""
-    for accountant in _accountants(callbacks):
-        if not math.isclose(accountant.noise_multiplier, aggregator.noise_multiplier, rel_tol=1e-9):
-            raise ValueError(
-                f"PrivacyAccountant(noise_multiplier={accountant.noise_multiplier}) does not "
-                f"match the model's aggregator (noise_multiplier={aggregator.noise_multiplier})."
-            )
-        if sampler is not None and not math.isclose(
-            accountant.sampling_rate, sampler.sampling_rate, rel_tol=1e-9
-        ):
-            raise ValueError(
-                f"PrivacyAccountant(sampling_rate={accountant.sampling_rate}) does not match "
-                f"the PoissonSampler (sampling_rate={sampler.sampling_rate}): the logged "
-                "epsilon would describe another mechanism. Pass "
-                f"sampling_rate={sampler.sampling_rate} to the accountant."
-            )
+def check_accountant_matches(accountant, aggregator, sampler=None) -> None:
+    """An accountant must describe the mechanism that runs: the rule's ``z``, the sampler's ``q``."""
+    if not math.isclose(accountant.noise_multiplier, aggregator.noise_multiplier, rel_tol=1e-9):
+        raise ValueError(
+            f"PrivacyAccountant(noise_multiplier={accountant.noise_multiplier}) does not "
+            f"match the model's aggregator (noise_multiplier={aggregator.noise_multiplier})."
+        )
+    if sampler is not None and not math.isclose(
+        accountant.sampling_rate, sampler.sampling_rate, rel_tol=1e-9
+    ):
+        raise ValueError(
+            f"PrivacyAccountant(sampling_rate={accountant.sampling_rate}) does not match "
+            f"the PoissonSampler (sampling_rate={sampler.sampling_rate}): the logged "
+            "epsilon would describe another mechanism. Pass "
+            f"sampling_rate={sampler.sampling_rate} to the accountant."
+        )
 
 
 def check_dp_fit(model, x=None, callbacks=None) -> None:
@@ -141,7 +140,8 @@ def check_dp_fit(model, x=None, callbacks=None) -> None:
         return
     inner = getattr(model, "model", model)
     validate_model_for_dp(inner)
-    _check_accountants(aggregator, x if isinstance(x, PoissonSampler) else None, callbacks)
+    for accountant in _accountants(callbacks):
+        check_accountant_matches(accountant, aggregator, x if isinstance(x, PoissonSampler) else None)
     if not isinstance(x, PoissonSampler):
         warnings.warn(
             "Training a DP model on batches that are not Poisson samples: the epsilon "
