@@ -1,6 +1,6 @@
 """``microbatch_size`` with mean/sum and statistics rules: accumulated chunk by chunk.
 
-The chunked path (``pergrad.chunked``) must give what the unchunked one gives: the
+The chunked path (``pergrad.engine.chunked``) must give what the unchunked one gives: the
 aggregate of the whole batch's per-example gradients, with the whole batch's
 normalization (sum reduction, masks), its dropout seeds and its aux outputs.
 
@@ -16,11 +16,10 @@ import pytest
 import oracle
 import pergrad
 import problems
-from pergrad import chunked
 from pergrad.aggregators import chain, clip, krum, mean
 from pergrad.aggregators import sum as sum_rule
 from pergrad.aggregators.base import zero_non_finite_examples
-from pergrad.engine import PerExampleProblem
+from pergrad.engine import PerExampleProblem, chunked
 from pergrad.privacy import dp_gaussian
 
 BATCH = 10  # one batch shape for the file; chunks of 4 leave a last chunk of 2

@@ -6,11 +6,11 @@ import keras
 from keras import ops, tree
 
 from pergrad import aggregators as aggregators_module
-from pergrad import chunked, compat
+from pergrad import compat
 from pergrad.aggregators.base import check_result, zero_non_finite_examples
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
-from pergrad.engine import PerExampleProblem, check_model, mean_reduced
+from pergrad.engine import PerExampleProblem, check_model, chunked, mean_reduced
 
 _BACKEND = keras.backend.backend()
 
@@ -43,7 +43,7 @@ class PerExampleModel(keras.Model):
         microbatch_size: work through the batch in chunks of this many
             examples; results are the same. For ``mean``, ``sum`` and
             statistics rules the aggregate is accumulated chunk by chunk
-            (``pergrad.chunked``), which bounds peak memory; coordinate and
+            (``pergrad.engine.chunked``), which bounds peak memory; coordinate and
             arbitrary rules still receive all B per-example gradients.
     """
 

@@ -1,7 +1,7 @@
 """Backend adapters: the only modules that import TensorFlow, JAX or PyTorch.
 
 Each adapter offers the same small set of functions (none loops over examples in
-Python, except torch's chunk loop of ``pergrad.chunked``, over chunks):
+Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
 
 - ``vectorized_grad(fn, params, batched, shared, microbatch_size)``: the
   gradient of ``fn(params, example, shared) -> (loss, aux)`` with respect to
@@ -20,10 +20,10 @@ Python, except torch's chunk loop of ``pergrad.chunked``, over chunks):
 - ``compile(fn)``: ``fn`` (pure in its tensor arguments) compiled once per input
   signature: ``tf.function``, ``jax.jit``; on torch, eager with detached results.
 - ``scan(f, init, xs)`` (TF, JAX): ``jax.lax.scan`` in the graph, for
-  ``pergrad.chunked``; torch sets ``EAGER_LOOPS`` and is looped in Python.
+  ``pergrad.engine.chunked``; torch sets ``EAGER_LOOPS`` and is looped in Python.
 - ``random_state()`` / ``set_random_state(state)``: the global generators that
   torch's unseeded random layers draw from (``None`` elsewhere), so that a
-  chunk recomputed by ``pergrad.chunked`` draws the same dropout masks.
+  chunk recomputed by ``pergrad.engine.chunked`` draws the same dropout masks.
 """
 
 import importlib

@@ -98,7 +98,7 @@ def grad(fn, params):
     return value.detach(), grads
 
 
-#: ``pergrad.chunked`` loops in Python over chunks of known sizes.
+#: ``pergrad.engine.chunked`` loops in Python over chunks of known sizes.
 EAGER_LOOPS = True
 
 
