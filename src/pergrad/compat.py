@@ -8,6 +8,8 @@ touches this file only. Tests may still reach into Keras directly.
 
 from __future__ import annotations
 
+import contextlib
+
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 
@@ -61,3 +63,34 @@ def loss_tracker(model):
 def update_metrics_variables(model, metrics_variables, loss, x, y, y_pred, sample_weight):
     """``JAXTrainer._update_metrics_variables``: the stateless metric update of a JAX ``train_step``."""
     return model._update_metrics_variables(metrics_variables, loss, x, y, y_pred, sample_weight)
+
+
+def own_trainable_variables(layer) -> list:
+    """``Layer._trainable_variables``: the trainable variables a layer tracks itself
+    (created by it or assigned to one of its attributes), not its sublayers'."""
+    if not layer.trainable:
+        return []
+    return [v for v in layer._trainable_variables if v.trainable]
+
+
+@contextlib.contextmanager
+def recording_variable_reads(record):
+    """Calls ``record(variable)`` for every variable read inside a ``StatelessScope``.
+
+    Patches ``StatelessScope.get_current_value``, through which every backend's
+    ``Variable.value`` reads a variable in a stateless scope, for the duration
+    of the block: pergrad's forward passes always run in one.
+    """
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    original = StatelessScope.get_current_value
+
+    def get_current_value(self, variable):
+        record(variable)
+        return original(self, variable)
+
+    StatelessScope.get_current_value = get_current_value
+    try:
+        yield
+    finally:
+        StatelessScope.get_current_value = original

@@ -10,7 +10,7 @@ from pergrad import compat
 from pergrad.aggregators.base import check_result, zero_non_finite_examples
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
-from pergrad.engine import PerExampleProblem, check_model, chunked, mean_reduced
+from pergrad.engine import PerExampleProblem, check_model, chunked, mean_reduced, statistics
 
 _BACKEND = keras.backend.backend()
 
@@ -45,13 +45,35 @@ class PerExampleModel(keras.Model):
             statistics rules the aggregate is accumulated chunk by chunk
             (``pergrad.engine.chunked``), which bounds peak memory; coordinate and
             arbitrary rules still receive all B per-example gradients.
+        path: the engine path (docs/architecture.md, 'Engine paths').
+            ``"auto"`` (default): statistics rules (mean, sum, clipping, DP-SGD,
+            Krum, geometric median, norm filter, chains of them) take the
+            statistics path (``pergrad.engine.statistics``: no ``B x P``
+            per-example tensor, one backward pass) unless ``microbatch_size``
+            is set or the model needs the materialized path (the reason is
+            logged once); other rules take the materialized path.
+            ``"statistics"``: the statistics path or an error saying why not.
+            ``"materialized"``: every per-example gradient, always (the reference).
     """
 
-    def __init__(self, model, aggregator="mean", *, microbatch_size: int | None = None, **kwargs):
+    PATHS = ("auto", "statistics", "materialized")
+
+    def __init__(self, model, aggregator="mean", *, microbatch_size: int | None = None,
+                 path: str = "auto", **kwargs):
         super().__init__(**kwargs)
         self.model = model
         self.aggregator = aggregators_module.get(aggregator)
         self.microbatch_size = check_microbatch_size(microbatch_size)
+        if path not in self.PATHS:
+            raise ValueError(f"path must be one of {self.PATHS}; got {path!r}.")
+        if path == "statistics" and not chunked.supports(self.aggregator):
+            raise ValueError(
+                f"Aggregator {self.aggregator.name!r} ({type(self.aggregator).__name__}) is not "
+                "a statistics rule (its result is not a weighted sum of per-example gradients "
+                "with weights from their norms and Gram matrix), so it cannot take the "
+                "statistics path. Use path='auto' or 'materialized'."
+            )
+        self.engine_path = path  # (`path` is a Keras layer property)
         self._diagnostic_trackers = [
             keras.metrics.Mean(name=name) for name in self.aggregator.diagnostics
         ]
@@ -148,6 +170,7 @@ class PerExampleModel(keras.Model):
             model=keras.saving.serialize_keras_object(self.model),
             aggregator=keras.saving.serialize_keras_object(self.aggregator),
             microbatch_size=self.microbatch_size,
+            path=self.engine_path,
         )
         return config
 
@@ -207,10 +230,25 @@ class PerExampleModel(keras.Model):
         loss_scale = self._loss_scale()
         variables = self.model.trainable_variables
         private = getattr(self.aggregator, "differentially_private", False)
-        if self.microbatch_size is not None and chunked.supports(self.aggregator):
+        per_example, result = None, None
+        if self._takes_statistics_path():
+            try:
+                result, aux = statistics.aggregate(
+                    problem, self.aggregator, trainable_values, non_trainable_values,
+                    x, y, sample_weight, loss_scale=loss_scale,
+                )
+            except statistics.Unsupported as error:
+                if self.engine_path == "statistics":
+                    raise ValueError(
+                        f"The statistics path cannot train model {self.model.name!r}: {error}. "
+                        "Use path='auto' (it then takes the materialized path) or 'materialized'."
+                    ) from error
+                self._log_materialized(str(error))
+        if result is not None:
+            pass
+        elif self.microbatch_size is not None and chunked.supports(self.aggregator):
             # Accumulated chunk by chunk: no (B, ...) per-example tensor exists. A DP
             # rule's non-finite examples are zeroed in every chunk.
-            per_example = None
             result, aux = chunked.aggregate(
                 problem, self.aggregator, trainable_values, non_trainable_values,
                 x, y, sample_weight, self.microbatch_size, loss_scale=loss_scale,
@@ -252,6 +290,20 @@ class PerExampleModel(keras.Model):
         if "mask" in aux:
             compat.set_mask(tree.flatten(y_pred)[0], aux["mask"])
         return result, y_pred, aux["seeds"]
+
+    def _takes_statistics_path(self) -> bool:
+        if self.engine_path == "materialized" or not chunked.supports(self.aggregator):
+            return False
+        return self.engine_path == "statistics" or self.microbatch_size is None
+
+    def _log_materialized(self, reason: str) -> None:
+        logged = self.__dict__.setdefault("_logged_reasons", set())
+        if reason not in logged:
+            logged.add(reason)
+            statistics.LOGGER.warning(
+                "pergrad: model %r takes the materialized path (every per-example gradient): %s.",
+                self.model.name, reason,
+            )
 
     def _check_batch(self, x, y):
         """Checks the batch; returns ``x``, on TF made to depend on the run-time check."""

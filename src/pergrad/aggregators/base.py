@@ -236,6 +236,9 @@ class WeightedAggregator(Aggregator):
     kind = STATISTICS
     #: Whether :meth:`example_weights` reads ``stats.gram``.
     needs_gram: bool = False
+    #: Whether the weights depend on the statistics at all (``mean`` and ``sum``:
+    #: no, so their result costs one ordinary backward pass).
+    reads_statistics: bool = True
 
     def example_weights(self, stats: ExampleStatistics):
         """Returns weights of shape ``(B,)`` or ``(B, V)`` (one per variable)."""

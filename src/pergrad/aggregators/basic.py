@@ -25,6 +25,8 @@ def _serializable(cls):
 class Mean(WeightedAggregator):
     """The batch mean: what plain Keras ``fit()`` uses."""
 
+    reads_statistics = False
+
     def example_weights(self, stats: ExampleStatistics):
         size = stats.batch_size
         return ops.full((size,), 1.0, dtype="float32") / ops.cast(size, "float32")
@@ -38,6 +40,8 @@ class Mean(WeightedAggregator):
 @_serializable
 class Sum(WeightedAggregator):
     """The sum over the batch."""
+
+    reads_statistics = False
 
     def example_weights(self, stats: ExampleStatistics):
         return ops.ones((stats.batch_size,), dtype="float32")

@@ -8,6 +8,10 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
   ``params`` for every example of ``batched`` (a nest whose leaves share a
   leading batch axis), vectorized with the backend's own transform. Returns
   ``(gradients, aux)`` with a leading batch axis on every leaf.
+- ``vectorized_call(fn, batched, shared)``: ``fn(example, shared)`` for every
+  example, vectorized (the statistics path's forward pass, differentiable).
+- ``grad_with_aux(fn, params)``: gradient of ``fn(params) -> (scalar, aux)``
+  and ``aux`` (the statistics path's one backward pass).
 - ``grad(fn, params)``: value and gradient of a scalar function of ``params``
   (used for batch-level losses such as weight regularizers).
 - ``assert_at_least(value, minimum, message, guarded)``: a check of a size that

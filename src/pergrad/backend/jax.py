@@ -55,3 +55,13 @@ def random_state():
 
 def set_random_state(state):
     del state
+
+
+def vectorized_call(fn, batched, shared):
+    """``fn(example, shared)`` for every example at once (``jax.vmap``)."""
+    return jax.vmap(lambda example: fn(example, shared))(batched)
+
+
+def grad_with_aux(fn, params):
+    """Gradient of the scalar ``fn(params)[0]`` and ``fn``'s auxiliary outputs."""
+    return jax.grad(fn, has_aux=True)(params)

@@ -11,9 +11,16 @@ import tensorflow as tf
 def _dense(grads, params):
     # Embedding gradients arrive as IndexedSlices, unconnected ones as None;
     # callers get dense tensors. (UnconnectedGradients.ZERO breaks pfor on RNNs.)
-    return [
-        tf.zeros_like(p) if g is None else tf.convert_to_tensor(g) for g, p in zip(grads, params)
-    ]
+    return [_dense_one(g, p) for g, p in zip(grads, params)]
+
+
+def _dense_one(g, p):
+    if g is None:
+        return tf.zeros_like(p)
+    if isinstance(g, tf.IndexedSlices) and g.dense_shape is None:
+        # Through a graph loop the slices may not know their dense shape: the variable's.
+        return tf.math.unsorted_segment_sum(g.values, g.indices, tf.shape(p)[0])
+    return tf.convert_to_tensor(g)
 
 
 def _output_spec(fn, example_spec):
@@ -204,3 +211,37 @@ def random_state():
 
 def set_random_state(state):
     del state
+
+
+def vectorized_call(fn, batched, shared):
+    """``fn(example, shared)`` for every example at once (``tf.vectorized_map``)."""
+    return tf.vectorized_map(lambda example: fn(example, shared), batched, fallback_to_while_loop=True)
+
+
+def grad_with_aux(fn, params):
+    """Gradient of the scalar ``fn(params)[0]`` and ``fn``'s auxiliary outputs.
+
+    In a function of its own, so that a gradient TensorFlow cannot build (the
+    while loop that pfor falls back to for a masked RNN) leaves nothing in the
+    caller's graph; it raises ``NotImplementedError`` (the statistics path then
+    hands the model to the materialized path, which loops with ``tf.map_fn``).
+    """
+
+    def run(params):
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            value, aux = fn(params)
+        grads = _dense(tape.gradient(value, params), params)
+        # Through a vectorized map whose batch size is unknown, the gradient of a
+        # variable loses its static shape, which is the variable's.
+        return [tf.ensure_shape(g, p.shape) for g, p in zip(grads, params)], aux
+
+    try:
+        with _quiet_pfor():
+            return tf.function(run, autograph=False)(list(params))
+    # What pfor raises when it cannot convert or differentiate a loop (an RNN's).
+    except (TypeError, ValueError, LookupError, NameError, NotImplementedError) as error:
+        raise NotImplementedError(
+            "TensorFlow cannot differentiate the vectorized forward pass of this model "
+            f"({type(error).__name__}: {str(error).strip().splitlines()[-1]})"
+        ) from error

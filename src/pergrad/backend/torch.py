@@ -114,3 +114,19 @@ def set_random_state(state):
     torch.random.set_rng_state(state[0])
     if len(state) > 1:
         torch.cuda.set_rng_state_all(state[1])
+
+
+def vectorized_call(fn, batched, shared):
+    """``fn(example, shared)`` for every example at once (``torch.func.vmap``)."""
+    with _IgnoreMemoryLayout():
+        return torch.func.vmap(lambda example: fn(example, shared), randomness="different")(batched)
+
+
+def grad_with_aux(fn, params):
+    """Gradient of the scalar ``fn(params)[0]`` and ``fn``'s auxiliary outputs (detached)."""
+    with torch.enable_grad():
+        params = [p.detach().requires_grad_(True) for p in params]
+        value, aux = fn(params)
+        grads = torch.autograd.grad(value, params, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+    return grads, _detach(aux)

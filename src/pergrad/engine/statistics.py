@@ -1,0 +1,623 @@
+"""The statistics path: a statistics rule in one forward and one backward pass.
+
+For a rule of kind ``"statistics"`` (the result is ``sum_i w_i g_i`` with
+weights from per-example squared norms and, if asked, the Gram matrix), the
+``B x P`` per-example gradients are never built (docs/architecture.md, 'The
+statistics path'):
+
+1. A *dry run* of one example's loss, once per trace (cached where steps run
+   eagerly), intercepts every layer call, records which trainable variables
+   each call reads directly (outside the calls of its sublayers) and the shape
+   of the tensor at each call's *probe point*, and makes the plan: a layer rule
+   (``pergrad.layer_rules``) where one applies, else the fallback (the layer's
+   own vectorized vjp).
+2. The forward pass of every example (vectorized, as the materialized path's)
+   adds a zero *probe* at each planned call's probe point and returns the
+   call's input ``A``. One backward pass of ``sum_i c_i L_i`` with respect to
+   the probes gives every call's output gradient ``D`` (``c_i``: the example's
+   scale, docs/architecture.md, 'Per-example gradients').
+3. From ``A`` and ``D`` the rules give per-example squared norms, the Gram
+   matrix and, once the aggregator's weights are known, ``sum_i w_i g_i``.
+   A variable read by several calls (a layer called twice, a variable shared
+   by two layers) has its per-example gradients formed and summed first.
+
+``mean`` and ``sum`` need no statistics: one ordinary backward pass of
+``sum_i w_i c_i L_i`` with respect to the variables.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+from keras import ops, tree
+
+from pergrad import compat
+from pergrad.aggregators.base import ExampleStatistics
+from pergrad.backend import adapter
+from pergrad.engine.materialized import per_example_gradients
+from pergrad.engine.problem import _bounded_get, _map, _problem, check_model
+from pergrad.layer_rules import rule_for
+from pergrad.layer_rules.base import OutputRule, per_example_vjp, replaced_attribute, variable_values
+
+LOGGER = logging.getLogger("pergrad")
+_FALLBACK = OutputRule()
+
+
+class Unsupported(Exception):
+    """The statistics path cannot handle this model; the message says why."""
+
+
+def _is_tensor(value) -> bool:
+    return ops.is_tensor(value) and not isinstance(value, keras.KerasTensor)
+
+
+def _is_float(tensor) -> bool:
+    return "float" in keras.backend.standardize_dtype(tensor.dtype)
+
+
+_TENSOR = object()  # marks the tensor slots of a recorded call's arguments
+
+
+class _Call:
+    """One planned layer call: its rule and the trainable variables it gives gradients of.
+
+    ``arguments`` is the call's ``(args, kwargs)`` with every tensor replaced by
+    a marker: the fallback calls the layer again with one example's tensors.
+    """
+
+    def __init__(self, index, layer, rule, variables, specs, arguments):
+        self.index, self.layer, self.rule, self.variables = index, layer, rule, variables
+        self.specs, self.arguments = specs, arguments
+        self.fallback = rule is _FALLBACK
+
+    def recall(self, tensors):
+        """The layer called on the recorded arguments with ``tensors`` in the tensor slots."""
+        tensors = list(tensors)
+        flat = [tensors.pop(0) if slot is _TENSOR else slot for slot in tree.flatten(self.arguments)]
+        args, kwargs = tree.pack_sequence_as(self.arguments, flat)
+        return self.layer(*args, **kwargs)
+
+
+class Plan:
+    """What the dry run found: the planned calls, in call order."""
+
+    def __init__(self, calls, fallback_names):
+        self.calls = calls
+        self.by_index = {call.index: position for position, call in enumerate(calls)}
+        self.fallback_names = fallback_names
+
+
+class _Interceptor:
+    """Replaces the ``call`` of every layer of a model for the duration of a forward pass."""
+
+    def __init__(self, model, handler):
+        self.layers = compat.flatten_layers(model, include_self=False, recursive=True)
+        self.handler = handler
+        self.counts = {}
+
+    def __enter__(self):
+        self._contexts = []
+        for layer in self.layers:
+            original = layer.call
+
+            def wrapper(*args, _layer=layer, _original=original, **kwargs):
+                # A call is known by its layer and rank among that layer's calls: the
+                # order of other layers' calls may change between traces (TensorFlow
+                # traces a loop body again), a layer's own calls keep their order.
+                rank = self.counts.get(id(_layer), 0)
+                self.counts[id(_layer)] = rank + 1
+                return self.handler((id(_layer), rank), _layer, _original, args, kwargs)
+
+            context = replaced_attribute(layer, "call", wrapper)
+            context.__enter__()
+            self._contexts.append(context)
+        return self
+
+    def __exit__(self, *exc):
+        for context in reversed(self._contexts):
+            context.__exit__(*exc)
+
+
+def _rows32(gradient):
+    """``(B, ...) -> (B, size)`` in float32."""
+    return ops.reshape(ops.cast(gradient, "float32"), (ops.shape(gradient)[0], -1))
+
+
+def _example(batched, position=0):
+    # Copies: Keras's loss scales the sample weights by the mask in place, which on
+    # torch would write through a view into the batch.
+    return tree.map_structure(lambda t: ops.copy(t[position]), batched)
+
+
+def make_plan(problem, trainable_values, batched, shared) -> Plan:
+    """The dry run: one example's loss, every layer call recorded. Raises :class:`Unsupported`."""
+    model = problem.model
+    trainable_ids = {id(v): v for v in model.trainable_variables}
+    records, stack, root_reads = [], [], []
+
+    def owner():
+        """The call a read belongs to: the innermost one, or the outermost RNN around it.
+
+        Calls inside a recurrent layer run in its loop (a graph loop on TensorFlow and
+        JAX), from which nothing can be captured: the RNN is planned as one call.
+        """
+        for record in stack:
+            if isinstance(record["layer"], keras.layers.RNN):
+                return record
+        return stack[-1]
+
+    def record_read(variable):
+        (owner()["reads"] if stack else root_reads).append(variable)
+
+    def handler(index, layer, original, args, kwargs):
+        markers = [_TENSOR if _is_tensor(leaf) else leaf for leaf in tree.flatten((args, kwargs))]
+        record = {"index": index, "layer": layer, "reads": [], "specs": [], "rule": rule_for(layer),
+                  "arguments": tree.pack_sequence_as((args, kwargs), markers)}
+        records.append(record)
+
+        def probe(tensor):
+            record["specs"].append((tuple(ops.shape(tensor)), tensor.dtype))
+            return tensor
+
+        stack.append(record)
+        try:
+            if any(isinstance(outer["layer"], keras.layers.RNN) for outer in stack[:-1]):
+                return original(*args, **kwargs)  # inside a loop: never probed
+            if record["rule"] is not None:
+                return record["rule"].forward(layer, original, probe, args, kwargs)
+            out = original(*args, **kwargs)
+            for leaf in tree.flatten(out):
+                if _is_tensor(leaf) and _is_float(leaf):
+                    probe(leaf)
+            return out
+        finally:
+            stack.pop()
+
+    # Torch's unseeded random layers draw from its global generator: the dry run
+    # must leave it where it was, so that the step draws what it would without it.
+    random_state = adapter().random_state()
+    try:
+        with compat.recording_variable_reads(record_read), _Interceptor(model, handler):
+            problem._example_loss(list(trainable_values), _example(batched), shared)
+    finally:
+        adapter().set_random_state(random_state)
+
+    def trainable(reads):
+        seen, out = set(), []
+        for v in reads:
+            if id(v) in trainable_ids and id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+        return out
+
+    if trainable(root_reads):
+        names = [v.path for v in trainable(root_reads)]
+        raise Unsupported(f"the model reads trainable variable(s) {names} outside any layer call")
+    calls, fallback_names = [], []
+    for record in records:
+        reads = trainable(record["reads"])
+        if not reads:
+            continue
+        layer, rule = record["layer"], record["rule"]
+        if rule is not None:
+            ids = {id(v) for v in rule.variables(layer)}
+            one_probe = len(record["specs"]) == 1 and record["specs"][0][0][:1] == (1,)
+            if ids != {id(v) for v in reads} or not one_probe:
+                raise Unsupported(
+                    f"layer {layer.name!r} reads variables {[v.path for v in reads]} that its rule "
+                    f"{type(rule).__name__} does not cover"
+                )
+            variables = rule.variables(layer)
+        else:
+            if any(compat.is_seed_state(v) for v in record["reads"]):
+                raise Unsupported(
+                    f"layer {layer.name!r} has no rule and draws random numbers in its own call"
+                )
+            rule, variables = _FALLBACK, reads
+            fallback_names.append(layer.name)
+        calls.append(_Call(record["index"], layer, rule, variables, record["specs"], record["arguments"]))
+    return Plan(calls, fallback_names)
+
+
+def _cached_plan(problem, trainable_values, batched, shared) -> Plan:
+    """The plan; made once per trace, or once per input signature and variables where steps run eagerly."""
+    if not getattr(adapter(), "EAGER_LOOPS", False):
+        return make_plan(problem, trainable_values, batched, shared)
+    model = problem.model
+    key = (
+        tuple(id(v) for v in model.trainable_variables),
+        tuple((tuple(t.shape[1:]), str(t.dtype)) for t in tree.flatten(batched)),
+    )
+    cache = problem.__dict__.setdefault("_statistics_plans", {})
+    if key not in cache:
+        if len(cache) > 8:
+            cache.clear()
+        try:
+            cache[key] = make_plan(problem, trainable_values, batched, shared)
+        except Unsupported as error:
+            cache[key] = error  # found once, not on every step
+    if isinstance(cache[key], Unsupported):
+        raise cache[key]
+    return cache[key]
+
+
+def _log_fallback(problem, plan):
+    names = sorted(set(plan.fallback_names))
+    if names:
+        _log_once(problem, (
+            f"statistics path: no layer rule for {names}; their per-example gradients are "
+            "computed by a vectorized vjp of each layer alone (exact, slower; register a rule "
+            "with pergrad.layer_rules.register_rule to speed them up)"
+        ))
+
+
+def _capture(problem, plan, trainable_values, batched, shared, batch_size):
+    """The forward pass with probes and the one backward pass: ``(captured, deltas, aux)``."""
+    model = problem.model
+
+    def probe_zeros(spec):
+        shape, dtype = spec
+        return ops.zeros((batch_size,) + tuple(shape), dtype=dtype)
+
+    probes = [[probe_zeros(spec) for spec in call.specs] for call in plan.calls]
+    constants = [ops.stop_gradient(v) for v in trainable_values]
+
+    def example_loss(example, shared):
+        own_probes = example["probes"]
+        captured = [None] * len(plan.calls)
+
+        def handler(index, layer, original, args, kwargs):
+            position = plan.by_index.get(index)
+            if position is None:
+                return original(*args, **kwargs)
+            call, probe = plan.calls[position], own_probes[position]
+            if not call.fallback:
+                captured[position] = args[0]
+                return call.rule.forward(layer, original, lambda t: t + probe[0], args, kwargs)
+            flat = tree.flatten((args, kwargs))
+            captured[position] = [leaf for leaf in flat if _is_tensor(leaf)]
+            out = original(*args, **kwargs)
+            leaves, pending = tree.flatten(out), list(probe)
+            leaves = [leaf + pending.pop(0) if _is_tensor(leaf) and _is_float(leaf) else leaf
+                      for leaf in leaves]
+            return tree.pack_sequence_as(out, leaves)
+
+        with _Interceptor(model, handler):
+            loss, aux = problem._example_loss(constants, example["example"], shared)
+        aux["captured"] = captured
+        return loss, aux
+
+    counts = [len(group) for group in probes]
+
+    def grouped(flat):
+        flat, groups = list(flat), []
+        for count in counts:
+            groups.append(flat[:count])
+            flat = flat[count:]
+        return groups
+
+    def total(probe_values):
+        losses, aux = adapter().vectorized_call(
+            example_loss, {"example": batched, "probes": grouped(probe_values)}, shared
+        )
+        scale = _example_scale(problem, aux, batch_size)
+        aux["example_scale"] = scale
+        weighted = ops.sum(ops.cast(ops.stop_gradient(scale), "float32") * ops.cast(losses, "float32"))
+        aux["loss"] = losses
+        return weighted, aux
+
+    deltas, aux = _grad_with_aux(total, [p for group in probes for p in group])
+    return aux.pop("captured"), grouped(deltas), aux
+
+
+def _grad_with_aux(fn, params):
+    try:
+        return adapter().grad_with_aux(fn, params)
+    except NotImplementedError as error:
+        raise Unsupported(str(error)) from error
+
+
+def _example_scale(problem, aux, batch_size):
+    """``c_i``: B for a sum reduction, ``B valid_i / sum_j valid_j`` for masks (else 1)."""
+    scale = ops.ones((batch_size,), "float32")
+    if problem.sum_reduction:
+        scale = scale * ops.cast(batch_size, "float32")
+    if "valid" in aux:
+        valid = ops.cast(aux["valid"], "float32")
+        scale = scale * ops.cast(batch_size, "float32") * valid / ops.sum(valid)
+    return scale
+
+
+def _finish_aux(problem, aux, non_trainable, batch_size):
+    out = {"loss": aux["loss"] * ops.cast(aux["example_scale"], aux["loss"].dtype), "y_pred": aux["y_pred"]}
+    if "mask" in aux:
+        out["mask"] = aux["mask"]
+    out["seeds"] = [
+        ops.stack([non_trainable[p][0], new[0][1]]) for p, new in zip(problem.seed_positions, aux["seeds"])
+    ]
+    return out
+
+
+class _Layers:
+    """Every planned call's ``A`` and ``D``, and the statistics made from them."""
+
+    def __init__(self, plan, captured, deltas, values, variables, inverse_scale):
+        self.plan, self.values_of = plan, dict(zip(map(id, variables), values))
+        self.index_of = {id(v): k for k, v in enumerate(variables)}
+        self.count = len(variables)
+        self.inputs, self.deltas = [], []
+        for call, inputs, delta in zip(plan.calls, captured, deltas):
+            if call.fallback:
+                self.inputs.append(inputs)
+                self.deltas.append(delta)  # raw (scaled, compute dtype): the layer's own vjp
+            else:
+                if _is_float(inputs):
+                    inputs = ops.cast(inputs, "float32")
+                self.inputs.append(ops.squeeze(inputs, 1))
+                self.deltas.append(ops.squeeze(ops.cast(delta[0], "float32"), 1) * inverse_scale)
+        self.inverse_scale = inverse_scale
+        uses = {}
+        for call in plan.calls:
+            for v in call.variables:
+                uses[id(v)] = uses.get(id(v), 0) + 1
+        # Calls with a variable that another call reads too: their gradients are summed
+        # per example before any statistic.
+        self.shared = [any(uses[id(v)] > 1 for v in call.variables) for call in plan.calls]
+        self._materialized = {}
+
+    def zero_rows(self, keep):
+        """Zeroes example i's ``A`` and ``D`` in every call where ``keep[i]`` is false."""
+
+        def where(t):
+            if not _is_float(t):
+                return t
+            return ops.where(ops.reshape(keep, (-1,) + (1,) * (len(t.shape) - 1)), t, ops.zeros_like(t))
+
+        self.inputs = [tree.map_structure(where, t) for t in self.inputs]
+        self.deltas = [tree.map_structure(where, t) for t in self.deltas]
+        self._materialized = {}
+
+    def _values(self, call):
+        return [self.values_of[id(v)] for v in call.variables]
+
+    def _per_example(self, position):
+        call = self.plan.calls[position]
+        if position not in self._materialized:
+            if call.fallback:
+                grads = per_example_vjp(call.recall, call.variables, self._values(call),
+                                        self.inputs[position], self.deltas[position])
+                grads = [g * ops.cast(self.inverse_scale, g.dtype) for g in grads]
+            else:
+                grads = call.rule.per_example(call.layer, self._values(call), self.inputs[position],
+                                              self.deltas[position])
+            self._materialized[position] = grads
+        return self._materialized[position]
+
+    def _ghost(self, position):
+        call = self.plan.calls[position]
+        return not (call.fallback or self.shared[position] or call.rule.materializes(
+            call.layer, self.inputs[position], self.deltas[position]))
+
+    def _shared_variables(self):
+        """``{variable index: (B, size) summed per-example gradient rows}`` of shared variables."""
+        sums = {}
+        for position, call in enumerate(self.plan.calls):
+            if not self.shared[position]:
+                continue
+            for v, g in zip(call.variables, self._per_example(position)):
+                rows = _rows32(g)
+                k = self.index_of[id(v)]
+                sums[k] = rows if k not in sums else sums[k] + rows
+        return sums
+
+    def squared_norms(self, batch_size):
+        columns = [None] * self.count
+        for position, call in enumerate(self.plan.calls):
+            if self.shared[position]:
+                continue
+            if self._ghost(position):
+                norms = call.rule.squared_norms(call.layer, self._values(call), self.inputs[position],
+                                                self.deltas[position])
+            else:
+                norms = [ops.sum(ops.square(_rows32(g)), axis=1) for g in self._per_example(position)]
+            for v, n in zip(call.variables, norms):
+                columns[self.index_of[id(v)]] = n
+        for k, rows in self._shared_variables().items():
+            columns[k] = ops.sum(ops.square(rows), axis=1)
+        zeros = ops.zeros((batch_size,), "float32")
+        return ops.stack([zeros if c is None else ops.cast(c, "float32") for c in columns], axis=1)
+
+    def gram(self, batch_size):
+        total = ops.zeros((batch_size, batch_size), "float32")
+        for position, call in enumerate(self.plan.calls):
+            if self.shared[position]:
+                continue
+            if self._ghost(position):
+                part = call.rule.gram(call.layer, self._values(call), self.inputs[position],
+                                      self.deltas[position])
+            else:
+                rows = [_rows32(g) for g in self._per_example(position)]
+                part = sum(ops.matmul(r, ops.transpose(r)) for r in rows)
+            total = total + ops.cast(part, "float32")
+        for rows in self._shared_variables().values():
+            total = total + ops.matmul(rows, ops.transpose(rows))
+        return total
+
+    def weighted_sums(self, weights, variables):
+        """``sum_i w_i g_i`` for every variable; ``weights`` ``(B,)`` or ``(B, V)``."""
+
+        def weight(v):
+            w = weights if len(weights.shape) == 1 else weights[:, self.index_of[id(v)]]
+            return ops.cast(w, "float32")
+
+        out = [None] * self.count
+        for position, call in enumerate(self.plan.calls):
+            if self.shared[position]:
+                continue
+            ws = [weight(v) for v in call.variables]
+            if self._ghost(position):
+                sums = call.rule.weighted_sum(call.layer, self._values(call), self.inputs[position],
+                                              self.deltas[position], ws)
+            else:
+                grads = self._per_example(position)
+                sums = [ops.matmul(w[None, :], _rows32(g))[0] for g, w in zip(grads, ws)]
+            for v, s in zip(call.variables, sums):
+                out[self.index_of[id(v)]] = s
+        for k, rows in self._shared_variables().items():
+            v = variables[k]
+            out[k] = ops.reshape(ops.matmul(weight(v)[None, :], rows)[0], v.shape)
+        return [
+            ops.zeros(v.shape, v.dtype) if s is None else ops.cast(ops.reshape(s, v.shape), v.dtype)
+            for s, v in zip(out, variables)
+        ]
+
+
+def _direct(problem, weights, trainable_values, batched, shared, batch_size):
+    """``sum_i w_i g_i`` as one ordinary backward pass of ``sum_i w_i c_i L_i``."""
+
+    def total(values):
+        losses, aux = adapter().vectorized_call(
+            lambda example, shared: problem._example_loss(values, example, shared), batched, shared
+        )
+        scale = _example_scale(problem, aux, batch_size)
+        aux["example_scale"], aux["loss"] = scale, losses
+        factors = ops.stop_gradient(ops.cast(weights, "float32") * scale)
+        return ops.sum(factors * ops.cast(losses, "float32")), aux
+
+    return _grad_with_aux(total, list(trainable_values))
+
+
+def _unscale(example_loss_scale):
+    if example_loss_scale is None:
+        return ops.convert_to_tensor(1.0, "float32")
+    return 1.0 / ops.cast(example_loss_scale, "float32")
+
+
+def _layers(problem, trainable_values, batched, shared, batch_size, inverse):
+    """Plan, forward and backward pass: the :class:`_Layers` of this batch, and ``aux``."""
+    plan = _cached_plan(problem, trainable_values, batched, shared)
+    _log_fallback(problem, plan)
+    captured, deltas, aux = _capture(problem, plan, trainable_values, batched, shared, batch_size)
+    variables = problem.model.trainable_variables
+    return _Layers(plan, captured, deltas, list(trainable_values), variables, inverse), aux
+
+
+def _context(problem, trainable_values, non_trainable):
+    model = problem.model
+    return variable_values(
+        list(zip(model.non_trainable_variables, non_trainable))
+        + list(zip(model.trainable_variables, trainable_values))
+    )
+
+
+def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=None,
+              sample_weight=None, loss_scale=None):
+    """A statistics rule's result over the batch, without per-example gradients of the model.
+
+    Args and returns as :func:`pergrad.engine.chunked.aggregate`: ``(result, aux)``,
+    ``result`` aligned with the trainable variables (unscaled), ``aux`` with each
+    example's ``loss``, ``y_pred``, ``mask`` (masked outputs) and advanced ``seeds``.
+    Raises :class:`Unsupported` when the model needs the materialized path.
+    """
+    batched, batch_size, non_trainable, example_loss_scale = problem.batched_inputs(
+        non_trainable_values, x, y, sample_weight, loss_scale
+    )
+    if isinstance(batch_size, int):
+        aggregator.check_batch_size(batch_size)
+    shared = {"non_trainable": non_trainable, "loss_scale": example_loss_scale}
+    variables = problem.model.trainable_variables
+    inverse = _unscale(example_loss_scale)
+    if not aggregator.reads_statistics:
+        stats = ExampleStatistics(ops.zeros((batch_size, len(variables)), "float32"))
+        grads, aux = _direct(problem, aggregator.example_weights(stats), trainable_values, batched,
+                             shared, batch_size)
+        result = [ops.cast(g * ops.cast(inverse, g.dtype), v.dtype) for g, v in zip(grads, variables)]
+        return aggregator.finalize(result, stats), _finish_aux(problem, aux, non_trainable, batch_size)
+    layers, aux = _layers(problem, trainable_values, batched, shared, batch_size, inverse)
+    with _context(problem, trainable_values, non_trainable):
+        norms = layers.squared_norms(batch_size)
+        if getattr(aggregator, "differentially_private", False):
+            # A DP rule's non-finite examples contribute nothing (as on the materialized
+            # path: zero_non_finite_examples); a NaN update would reveal them.
+            keep = ops.all(ops.isfinite(norms), axis=1)
+            layers.zero_rows(keep)
+            norms = ops.where(keep[:, None], norms, ops.zeros_like(norms))
+        gram = layers.gram(batch_size) if aggregator.needs_gram else None
+        stats = ExampleStatistics(norms, gram)
+        weights = ops.stop_gradient(aggregator.example_weights(stats))
+        result = layers.weighted_sums(weights, variables)
+    return aggregator.finalize(result, stats), _finish_aux(problem, aux, non_trainable, batch_size)
+
+
+def statistics(problem, trainable_values, non_trainable_values, x, y=None, sample_weight=None,
+               gram: bool = False):
+    """``(ExampleStatistics, aux)`` of the batch's per-example gradients, from the layers.
+
+    Raises :class:`Unsupported` when the model needs the materialized path.
+    """
+    batched, batch_size, non_trainable, _ = problem.batched_inputs(non_trainable_values, x, y, sample_weight)
+    shared = {"non_trainable": non_trainable, "loss_scale": None}
+    layers, aux = _layers(problem, trainable_values, batched, shared, batch_size, _unscale(None))
+    with _context(problem, trainable_values, non_trainable):
+        stats = ExampleStatistics(layers.squared_norms(batch_size), layers.gram(batch_size) if gram else None)
+    return stats, _finish_aux(problem, aux, non_trainable, batch_size)
+
+
+
+
+def _statistics_function(problem, gram: bool):
+    """``statistics`` compiled once per (trainable variables, non-trainable variables, gram)."""
+    model = problem.model
+    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
+    key = ("statistics", tuple(map(id, trainable)), tuple(map(id, non_trainable)), gram)
+
+    def make():
+        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+            stats, aux = statistics(problem, trainable_values, non_trainable_values, x, y,
+                                    sample_weight, gram=gram)
+            return stats.squared_norms, stats.gram, aux["seeds"]
+
+        return (trainable, non_trainable), adapter().compile(pure)
+
+    return _bounded_get(problem._functions, key, make)[1]
+
+
+def per_example_statistics(model, x, y=None, sample_weight=None, *, loss=None, training: bool = True,
+                           gram: bool = False) -> ExampleStatistics:
+    """Each example's squared gradient norms (and the Gram matrix), without its gradient.
+
+    The statistics of the gradients :func:`pergrad.per_example_gradients` returns
+    (same loss definition, arguments and dropout seeds), computed by the
+    statistics path: from each layer's input and output gradient, in one
+    backward pass, without a ``B x P`` tensor. For models the statistics path
+    cannot handle (the reason is logged), from the materialized gradients.
+
+    Returns:
+        :class:`~pergrad.aggregators.ExampleStatistics`: ``squared_norms`` of shape
+        ``(B, V)`` (one column per trainable variable, in
+        ``model.trainable_variables`` order; ``sqrt(sum(axis=1))`` is the flat
+        norm) and, with ``gram=True``, ``gram`` of shape ``(B, B)``.
+    """
+    check_model(model, training)
+    problem = _problem(model, loss, training)
+    problem._check_once(x, y)
+    x, y, sample_weight = (_map(ops.convert_to_tensor, t) for t in (x, y, sample_weight))
+    values = [v.value for v in model.trainable_variables]
+    states = [v.value for v in model.non_trainable_variables]
+    try:
+        norms, gram_matrix, seeds = _statistics_function(problem, gram)(values, states, x, y, sample_weight)
+    except Unsupported as error:
+        _log_once(problem, f"per_example_statistics uses the materialized path: {error}")
+        grads = per_example_gradients(model, x, y, sample_weight, loss=loss, training=training)
+        return ExampleStatistics.from_gradients(grads, gram=gram)
+    for position, state in zip(problem.seed_positions, seeds):
+        model.non_trainable_variables[position].assign(state)
+    return ExampleStatistics(norms, gram_matrix)
+
+
+def _log_once(problem, message):
+    logged = problem.__dict__.setdefault("_logged_fallbacks", set())
+    if message not in logged:
+        logged.add(message)
+        LOGGER.warning("pergrad: %s.", message)

@@ -1,0 +1,20 @@
+"""Layer rules of the statistics path: a registry keyed by Keras layer class.
+
+See :mod:`pergrad.layer_rules.base` for the protocol. pergrad registers rules
+for ``Dense`` (ghost norms), ``EinsumDense``, the convolutions, ``Embedding``
+and the normalization layers; users register rules for their own layers with
+:func:`register_rule`. A trainable layer without a rule takes the fallback: its
+per-example gradients by a vectorized vjp of the layer alone.
+"""
+
+from pergrad.layer_rules import conv, dense, einsum_dense, embedding, normalization  # noqa: F401 (registers)
+from pergrad.layer_rules.base import (
+    LayerRule,
+    OutputRule,
+    PreActivationRule,
+    per_example_vjp,
+    register_rule,
+    rule_for,
+)
+
+__all__ = ["LayerRule", "OutputRule", "PreActivationRule", "per_example_vjp", "register_rule", "rule_for"]

@@ -1,0 +1,248 @@
+"""The layer-rule protocol and its registry (docs/architecture.md, 'The statistics path').
+
+The statistics path (:mod:`pergrad.engine.statistics`) runs one forward pass of
+every example and one backward pass, and captures, for every call of a layer
+that reads trainable variables, the call's input ``A`` and the gradient ``D`` of
+the batch loss with respect to one of the call's tensors (the *probe point*:
+for ``Dense``, the output before the activation). Example i's gradient of the
+layer's variables depends only on row i of ``A`` and ``D``; a rule turns them
+into that gradient's statistics without building ``B x P`` tensors.
+
+A rule is a :class:`LayerRule` subclass registered for a Keras layer class with
+:func:`register_rule`; the rule of a layer is found along its class's MRO, and
+applies only to layers whose ``call`` is the registered class's (a subclass
+that redefines ``call`` computes something else and takes the fallback). Every
+method sees tensors with the batch first, as the layer sees them in a batched
+call: ``inputs`` is the call's first argument, ``delta`` has the shape of the
+probe point; both are float32 (``inputs`` keeps an integer dtype), and
+``delta`` is unscaled (mixed precision's loss scale removed).
+
+Only :meth:`LayerRule.variables`, :meth:`LayerRule.forward` and
+:meth:`LayerRule.per_example` are required; the statistics default to ones
+computed from :meth:`LayerRule.per_example`, which a rule overrides with a
+cheaper formula (the "ghost" norms of Dense), choosing per call with
+:meth:`LayerRule.materializes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+from keras import ops
+
+from pergrad import compat
+from pergrad.backend import adapter
+
+_RULES: dict[type, LayerRule] = {}
+
+# Values of the model's other variables while the engine computes statistics:
+# a layer recomputed by :func:`per_example_vjp` may read them (a frozen moving
+# mean), and Keras's JAX step has emptied the variables themselves.
+_CONTEXT: list = []
+
+
+@contextlib.contextmanager
+def variable_values(pairs):
+    """Makes ``(variable, value)`` pairs what :func:`per_example_vjp`'s layer calls read."""
+    _CONTEXT.append(list(pairs))
+    try:
+        yield
+    finally:
+        _CONTEXT.pop()
+
+
+def register_rule(layer_class: type):
+    """Class decorator: registers a :class:`LayerRule` subclass for ``layer_class``.
+
+    Example::
+
+        @pergrad.layer_rules.register_rule(MyScale)
+        class MyScaleRule(pergrad.layer_rules.OutputRule):
+            def variables(self, layer):
+                return [layer.scale]
+
+    A later registration for the same class replaces the earlier one.
+    """
+    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+        raise TypeError(f"register_rule expects a Keras layer class, got {layer_class!r}.")
+
+    def decorate(rule_class):
+        rule = rule_class()
+        rule.layer_class = layer_class
+        _RULES[layer_class] = rule
+        return rule_class
+
+    return decorate
+
+
+def rule_for(layer) -> LayerRule | None:
+    """The rule that applies to ``layer``, or ``None`` (the layer then takes the fallback)."""
+    for cls in type(layer).__mro__:
+        rule = _RULES.get(cls)
+        if rule is not None:
+            return rule if rule.applies(layer) else None
+    return None
+
+
+@contextlib.contextmanager
+def replaced_attribute(obj, name: str, value):
+    """Sets an instance attribute for the duration of a block, then restores the instance.
+
+    Written to the instance's ``__dict__`` directly: no Keras tracking, no torch
+    module registration, and an attribute that came from the class comes from it again.
+    """
+    state = vars(obj)
+    had, old = name in state, state.get(name)
+    state[name] = value
+    try:
+        yield
+    finally:
+        if had:
+            state[name] = old
+        else:
+            del state[name]
+
+
+def _rows(tensor):
+    return ops.reshape(tensor, (ops.shape(tensor)[0], -1))
+
+
+class LayerRule:
+    """How the statistics path handles the layers of one class."""
+
+    #: The layer class the rule was registered for (set by :func:`register_rule`).
+    layer_class: type | None = None
+
+    def applies(self, layer) -> bool:
+        """Whether the rule handles ``layer``; by default, when ``call`` is not redefined."""
+        return type(layer).call is self.layer_class.call
+
+    def variables(self, layer) -> list:
+        """The trainable variables the rule gives gradients of, in the order of its results."""
+        raise NotImplementedError
+
+    def forward(self, layer, call, probe, args, kwargs):
+        """The layer's call with ``probe`` applied to the tensor whose gradient is ``delta``.
+
+        Args:
+            layer: the layer.
+            call: its original ``call`` method (bound).
+            probe: a function ``t -> t`` (plus a zero tensor) to apply once.
+            args, kwargs: the call's arguments.
+        """
+        raise NotImplementedError
+
+    def per_example(self, layer, values, inputs, delta) -> list:
+        """Example i's gradient of every variable: ``(B,) + variable.shape`` each.
+
+        ``values`` are the variables' current values (in :meth:`variables` order).
+        """
+        raise NotImplementedError
+
+    def materializes(self, layer, inputs, delta) -> bool:
+        """Whether to compute the statistics from :meth:`per_example` (decided from static shapes)."""
+        return True
+
+    def squared_norms(self, layer, values, inputs, delta) -> list:
+        """``(B,)`` squared norms of example i's gradient, one per variable."""
+        return [ops.sum(ops.square(_rows(g)), axis=1) for g in self.per_example(layer, values, inputs, delta)]
+
+    def gram(self, layer, values, inputs, delta):
+        """``(B, B)``: ``<g_i, g_j>`` summed over the rule's variables."""
+        rows = [_rows(g) for g in self.per_example(layer, values, inputs, delta)]
+        return sum(ops.matmul(r, ops.transpose(r)) for r in rows)
+
+    def weighted_sum(self, layer, values, inputs, delta, weights) -> list:
+        """``sum_i w_i g_i`` per variable; ``weights`` holds one ``(B,)`` tensor per variable."""
+        out = []
+        for g, w in zip(self.per_example(layer, values, inputs, delta), weights):
+            out.append(ops.reshape(ops.matmul(w[None, :], _rows(g))[0], ops.shape(g)[1:]))
+        return out
+
+
+def per_example_vjp(function, variables, values, inputs, delta) -> list:
+    """Example i's gradient of ``<function(inputs_i), delta_i>`` w.r.t. ``variables``.
+
+    ``inputs`` and ``delta`` are nests of tensors with the batch first; row i of
+    each is what one example's call saw (``function`` gets the rows without the
+    batch axis, exactly as in that call). ``function`` reads ``variables``,
+    whose values are ``values``, through a ``StatelessScope``. Vectorized over
+    the batch by the backend: the per-example gradient of one layer only.
+    """
+
+    def example_loss(params, example, shared):
+        del shared
+        context = _CONTEXT[-1] if _CONTEXT else []
+        with keras.StatelessScope(state_mapping=context + list(zip(variables, params))):
+            output = function(example["inputs"])
+        total = 0.0
+        for out, d in zip(keras.tree.flatten(output), keras.tree.flatten(example["delta"])):
+            total = total + ops.sum(ops.cast(out, "float32") * ops.cast(d, "float32"))
+        return total, {}
+
+    grads, _ = adapter().vectorized_grad(
+        example_loss, list(values), {"inputs": inputs, "delta": delta}, {}, None
+    )
+    return grads
+
+
+def _batch_of_one(tensor):
+    return ops.expand_dims(tensor, 1)
+
+
+class OutputRule(LayerRule):
+    """The probe on the layer's output; per-example gradients by a vjp of the layer alone.
+
+    Exact for any layer whose variables are its own (read in its own ``call``):
+    the fallback for layers without a rule is this rule with the variables the
+    call reads. Cheap when the variables are small (normalization layers).
+    """
+
+    def variables(self, layer) -> list:
+        return compat.own_trainable_variables(layer)
+
+    def forward(self, layer, call, probe, args, kwargs):
+        return probe(call(*args, **kwargs))
+
+    def per_example(self, layer, values, inputs, delta) -> list:
+        return per_example_vjp(
+            layer, self.variables(layer), values, _batch_of_one(inputs), _batch_of_one(delta)
+        )
+
+
+class PreActivationRule(LayerRule):
+    """The probe before the layer's activation (``Dense``, ``EinsumDense``, convolutions).
+
+    The layer's own ``call`` computes the pre-activation output with its
+    ``activation`` set to ``None`` for the call; the rule then applies the
+    activation. Per-example gradients by a vjp of that pre-activation call.
+    """
+
+    def applies(self, layer) -> bool:
+        return (
+            super().applies(layer)
+            and not getattr(layer, "lora_enabled", False)
+            and getattr(layer, "quantization_mode", None) is None
+        )
+
+    def variables(self, layer) -> list:
+        return compat.own_trainable_variables(layer)
+
+    def forward(self, layer, call, probe, args, kwargs):
+        activation = layer.activation
+        with replaced_attribute(layer, "activation", None):
+            out = call(*args, **kwargs)
+        out = probe(out)
+        return out if activation is None else activation(out)
+
+    def pre_activation(self, layer, inputs):
+        """The layer's output before its activation, from a batched call."""
+        with replaced_attribute(layer, "activation", None):
+            return layer(inputs)
+
+    def per_example(self, layer, values, inputs, delta) -> list:
+        return per_example_vjp(
+            lambda x: self.pre_activation(layer, x), self.variables(layer), values,
+            _batch_of_one(inputs), _batch_of_one(delta),
+        )

@@ -1,0 +1,315 @@
+"""The statistics path (``pergrad.engine.statistics``) against the materialized path.
+
+The materialized path is the reference (itself checked against the batch-of-one
+oracle in test_per_example_gradients.py). For every layer rule, on 2-D and
+sequence/spatial inputs, the per-example squared norms, the Gram matrix and
+weighted sums (flat and per-variable weights) must match it to 1e-5; every
+statistics rule must train through ``fit()`` as on the materialized path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+from keras import layers, ops
+
+import oracle
+import pergrad
+import problems
+from pergrad.aggregators import (
+    automatic_clip,
+    chain,
+    clip,
+    geometric_median,
+    krum,
+    mean,
+    norm_filter,
+)
+from pergrad.aggregators import sum as sum_rule
+from pergrad.aggregators.base import ExampleStatistics, WeightedAggregator
+from pergrad.engine import PerExampleProblem, statistics
+from pergrad.privacy import dp_gaussian
+
+B = problems.BATCH
+RTOL, ATOL = 1e-5, 1e-5
+
+
+class Scale(layers.Layer):
+    """A layer without a rule: the fallback (a vjp of the layer alone)."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.w + ops.sin(x * self.w)
+
+
+class TiedOutput(layers.Layer):
+    """Reads another layer's embedding table (tied input/output embeddings)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x):
+        return ops.matmul(x, ops.transpose(self.embedding.embeddings))
+
+
+def _classifier(name, inputs, hidden, x, classes=3, sample_weight=True):
+    rng = np.random.default_rng(1)
+    outputs = layers.Dense(classes)(hidden)
+    model = keras.Model(inputs, outputs, name=name)
+    y = rng.integers(0, classes, B)
+    weights = rng.uniform(0.5, 2.0, B).astype("float32") if sample_weight else None
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return problems.Problem(name, model, x, y, loss, sample_weight=weights)
+
+
+def _floats(*shape):
+    return np.random.default_rng(2).normal(size=shape).astype("float32")
+
+
+def _ids(vocab, *shape):
+    return np.random.default_rng(3).integers(0, vocab, shape).astype("int32")
+
+
+def dense_sequence():
+    """Dense on (B, T, d): one layer takes the ghost formula (2T^2 <= d_in d_out), one materializes."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3, 4))
+    hidden = layers.Dense(8, activation="relu")(inputs)  # 2*9 <= 32: ghost
+    hidden = layers.Dense(2)(hidden)  # 2*9 > 16: materialized
+    return _classifier("dense_sequence", inputs, layers.Flatten()(hidden), _floats(B, 3, 4))
+
+
+def convolutions():
+    """Grouped, depthwise, separable and transposed convolutions; group and RMS normalization."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((7, 7, 4))
+    # TensorFlow cannot form per-example gradients of a grouped convolution on either
+    # path (pfor's while loop runs Conv2DBackpropFilter, which rejects groups on CPU;
+    # README, Limitations).
+    groups = 1 if keras.backend.backend() == "tensorflow" else 2
+    hidden = layers.Conv2D(4, 3, groups=groups, activation="relu")(inputs)
+    hidden = layers.DepthwiseConv2D(2)(hidden)
+    hidden = layers.GroupNormalization(2)(hidden)
+    hidden = layers.SeparableConv2D(3, 2, activation="tanh")(hidden)
+    hidden = layers.Conv2DTranspose(2, 2)(hidden)
+    hidden = layers.RMSNormalization()(hidden)
+    return _classifier("convolutions", inputs, layers.Flatten()(hidden), _floats(B, 7, 7, 4))
+
+
+def conv_sequence():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 2))
+    hidden = layers.Conv1D(3, 2, padding="causal", activation="relu")(inputs)
+    hidden = layers.SeparableConv1D(2, 2)(hidden)
+    hidden = layers.Conv3D(2, 1)(layers.Reshape((5, 2, 1, 1))(hidden))
+    return _classifier("conv_sequence", inputs, layers.Flatten()(hidden), _floats(B, 6, 2))
+
+
+def transformer():
+    """Embedding, MultiHeadAttention (EinsumDense), LayerNormalization, Dense on sequences."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,), dtype="int32")
+    hidden = layers.Embedding(9, 4)(inputs)
+    attended = layers.MultiHeadAttention(2, 2)(hidden, hidden)
+    hidden = layers.LayerNormalization()(hidden + attended)
+    hidden = layers.Dense(6, activation="relu")(hidden)
+    hidden = layers.GlobalAveragePooling1D()(hidden)
+    return _classifier("transformer", inputs, hidden, _ids(9, B, 5))
+
+
+def shared_and_fallback():
+    """A Dense layer called twice, a layer without a rule, a table read by two layers."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,), dtype="int32")
+    embedding = layers.Embedding(6, 3)
+    hidden = layers.GlobalAveragePooling1D()(embedding(inputs))
+    twice = layers.Dense(3, activation="tanh")
+    hidden = twice(Scale()(twice(hidden)))
+    logits = TiedOutput(embedding)(hidden)  # (B, 6): the table again
+    model = keras.Model(inputs, logits, name="shared_and_fallback")
+    rng = np.random.default_rng(1)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return problems.Problem(
+        "shared_and_fallback", model, _ids(6, B, 4), rng.integers(0, 6, B), loss,
+        sample_weight=rng.uniform(0.5, 2.0, B).astype("float32"),
+    )
+
+
+LOCAL = {f.__name__: f
+         for f in (dense_sequence, convolutions, conv_sequence, transformer, shared_and_fallback)}
+# gru: a recurrent layer is planned as one call (its cell runs in a graph loop).
+NAMES = sorted(LOCAL) + ["dense_mlp", "conv1d", "embedding", "layer_norm", "gru", "multi_output",
+                          "masked_dense", "sequence_output", "subclassed"]
+
+
+def _problem(name):
+    problem = LOCAL[name]() if name in LOCAL else problems.make(name)
+    problem.compile()
+    return problem
+
+
+class _FixedWeights(WeightedAggregator):
+    """Weights that read the statistics (so the statistics path computes them) but are fixed."""
+
+    def __init__(self, per_variable=False, gram=False, **kwargs):
+        super().__init__(**kwargs)
+        self.per_variable, self.needs_gram = per_variable, gram
+
+    def example_weights(self, stats):
+        count = stats.squared_norms.shape[1]
+        shape = (B, count) if self.per_variable else (B,)
+        fixed = np.random.default_rng(4).uniform(-1.0, 2.0, shape).astype("float32")
+        touch = 0.0 * stats.squared_norms if self.per_variable else 0.0 * stats.flat_squared_norms
+        if stats.gram is not None:
+            touch = touch + 0.0 * ops.sum(stats.gram)
+        return ops.convert_to_tensor(fixed) + touch
+
+
+def _values(model):
+    return [v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_norms_gram_and_weighted_sums_match_the_materialized_path(name, caplog):
+    problem = _problem(name)
+    model = problem.model
+    with caplog.at_level(logging.WARNING, logger="pergrad"):
+        stats = pergrad.per_example_statistics(model, problem.x, problem.y, problem.sample_weight, gram=True)
+    assert "materialized path" not in caplog.text, caplog.text  # the statistics path ran
+    grads = pergrad.per_example_gradients(model, problem.x, problem.y, problem.sample_weight)
+    expected = ExampleStatistics.from_gradients(grads, gram=True)
+    np.testing.assert_allclose(oracle.to_numpy(stats.squared_norms), oracle.to_numpy(expected.squared_norms),
+                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(oracle.to_numpy(stats.gram), oracle.to_numpy(expected.gram),
+                               rtol=RTOL, atol=ATOL)
+
+    engine = PerExampleProblem(model, training=True)
+    trainable, states = _values(model)
+    for rule in (_FixedWeights(), _FixedWeights(per_variable=True), _FixedWeights(gram=True)):
+        result, _ = statistics.aggregate(engine, rule, trainable, states, problem.x, problem.y,
+                                         problem.sample_weight)
+        reference = rule.aggregate([ops.convert_to_tensor(g) for g in grads])
+        oracle.assert_gradients_close([oracle.to_numpy(r) for r in result],
+                                      [oracle.to_numpy(r) for r in reference], rtol=RTOL, atol=ATOL)
+
+
+class RegisteredScale(Scale):
+    pass
+
+
+@pergrad.layer_rules.register_rule(RegisteredScale)
+class RegisteredScaleRule(pergrad.layer_rules.OutputRule):
+    """A user's rule: the probe on the output, per-example gradients by the layer's vjp."""
+
+
+def test_layers_without_a_rule_are_logged_once_and_a_registered_rule_replaces_the_fallback(caplog):
+    problem = _problem("shared_and_fallback")
+    with caplog.at_level(logging.WARNING, logger="pergrad"):
+        for _ in range(2):
+            pergrad.per_example_statistics(problem.model, problem.x, problem.y)
+    assert caplog.text.count("no layer rule for") == 1
+    assert "'scale" in caplog.text and "'tied_output" in caplog.text
+    caplog.clear()
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    layer = RegisteredScale()
+    problem = _classifier("registered", inputs, layer(layers.Dense(3)(inputs)), _floats(B, 3))
+    problem.compile()
+    assert pergrad.layer_rules.rule_for(layer).__class__ is RegisteredScaleRule
+    with caplog.at_level(logging.WARNING, logger="pergrad"):
+        stats = pergrad.per_example_statistics(problem.model, problem.x, problem.y, problem.sample_weight)
+    assert "no layer rule" not in caplog.text
+    grads = pergrad.per_example_gradients(problem.model, problem.x, problem.y, problem.sample_weight)
+    np.testing.assert_allclose(oracle.to_numpy(stats.squared_norms),
+                               oracle.to_numpy(ExampleStatistics.from_gradients(grads).squared_norms),
+                               rtol=RTOL, atol=ATOL)
+
+
+RULES = {
+    "mean": mean,
+    "sum": sum_rule,
+    "clip": lambda: clip(0.05),
+    "clip_per_layer": lambda: clip(0.05, per_layer=True),
+    "automatic_clip": automatic_clip,
+    "dp_noise_0": lambda: dp_gaussian(0.05, 0.0, expected_batch_size=B),
+    "norm_filter": lambda: norm_filter(drop_fraction=0.34),
+    "krum": lambda: krum(0.2),
+    "multi_krum": lambda: krum(0.2, select=3),
+    "geometric_median": geometric_median,
+    "chain_clip_krum": lambda: chain(clip(0.05), krum(0.2)),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_every_statistics_rule_trains_as_on_the_materialized_path(rule, monkeypatch):
+    results = []
+    for path in ("materialized", "statistics"):
+        problem = problems.make("dense_mlp")
+        wrapper = pergrad.PerExampleModel(problem.model, RULES[rule](), path=path)
+        problem.compile(wrapper, optimizer=keras.optimizers.SGD(0.3))
+        if path == "statistics":
+            # Never the materialized per-example gradients of the model.
+            monkeypatch.setattr(PerExampleProblem, "compute", _refuse)
+        wrapper.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=B,
+                    epochs=2, shuffle=False, verbose=0)
+        results.append(wrapper.model)
+    oracle.assert_weights_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the statistics path built the materialized per-example gradients")
+
+
+def test_a_transformer_trains_with_clipping_as_on_the_materialized_path():
+    results = []
+    for path in ("materialized", "auto"):
+        problem = transformer()
+        wrapper = pergrad.PerExampleModel(problem.model, clip(0.1), path=path)
+        problem.compile(wrapper, optimizer=keras.optimizers.SGD(0.3))
+        wrapper.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=B,
+                    epochs=2, shuffle=False, verbose=0)
+        results.append(wrapper.model)
+    oracle.assert_weights_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+
+
+class WithOwnWeight(keras.Model):
+    """Reads a variable of its own outside any layer call: not for the statistics path."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(2)
+        self.bias2 = self.add_weight(shape=(2,), initializer="zeros", name="bias2")
+
+    def call(self, x):
+        return self.dense(x) + self.bias2
+
+
+def test_the_path_can_be_forced_and_a_model_the_statistics_path_cannot_train_is_refused_or_logged(caplog):
+    with pytest.raises(ValueError, match="not a statistics rule"):
+        pergrad.PerExampleModel(problems.make("dense_mlp").model, "median", path="statistics")
+    with pytest.raises(ValueError, match="path must be one of"):
+        pergrad.PerExampleModel(problems.make("dense_mlp").model, "mean", path="fast")
+    x, y = _floats(B, 3), _floats(B, 2)
+    for path in ("statistics", "auto"):
+        model = WithOwnWeight()
+        model(x)
+        wrapper = pergrad.PerExampleModel(model, clip(1.0), path=path)
+        wrapper.compile(optimizer="sgd", loss="mse")
+        if path == "statistics":
+            with pytest.raises(ValueError, match="outside any layer call"):
+                wrapper.fit(x, y, batch_size=B, epochs=1, verbose=0)
+        else:
+            with caplog.at_level(logging.WARNING, logger="pergrad"):
+                wrapper.fit(x, y, batch_size=B, epochs=1, verbose=0)
+            assert "takes the materialized path" in caplog.text
+            assert "bias2" in caplog.text
+    restored = pergrad.PerExampleModel.from_config(
+        pergrad.PerExampleModel(problems.make("dense_mlp").model, "mean", path="materialized").get_config()
+    )
+    assert restored.engine_path == "materialized"
