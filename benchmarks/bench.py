@@ -7,16 +7,27 @@ Run once per backend (the backend is chosen at import, one process each)::
     KERAS_BACKEND=jax        .venv/bin/python benchmarks/bench.py --quick
     KERAS_BACKEND=torch      .venv/bin/python benchmarks/bench.py --models mlp64,cnn64 --repeats 9
     KERAS_BACKEND=jax        .venv/bin/python benchmarks/bench.py --variants "plain,vmap clip,pergrad clip"
+    KERAS_BACKEND=torch      .venv/bin/python benchmarks/bench.py --memory --models mlp256 \
+        --variants "plain,pergrad clip,pergrad dp,opacus clip"
 
 Models (random data, fixed seed, sparse categorical cross-entropy from logits,
-SGD(0.01)); ``mlp<B>`` / ``cnn<B>`` at any batch size B:
+SGD(0.01)); ``mlp<B>`` / ``cnn<B>`` / ``tfm<B>`` at any batch size B:
 
 - ``mlp64`` / ``mlp256`` (default): MLP 784-256-256-10 at batch 64 / 256;
 - ``cnn64`` (default): 28x28x1 -> Conv 3x3x16 relu -> Conv 3x3x32 relu ->
-  MaxPool 2 -> Flatten -> Dense 10, at batch 64.
+  MaxPool 2 -> Flatten -> Dense 10, at batch 64;
+- ``tfm64`` (default): a one-block transformer classifier on token ids (B, 64)
+  from a vocabulary of 1000: Embedding(1000, 64) + a learned position
+  Embedding(64, 64) -> MultiHeadAttention(2 heads, key_dim 32) + residual ->
+  LayerNormalization -> Dense(128, relu) -> Dense(64) + residual ->
+  LayerNormalization -> GlobalAveragePooling1D -> Dense(10), at batch 64.
+  On TensorFlow the run sets ``TF_ENABLE_ONEDNN_OPTS=0`` (unless already set)
+  whenever a ``tfm`` model is in it: TF 2.21's oneDNN kernels corrupt memory
+  in vectorized attention (README, known issues). The header says which.
 
-``--quick`` (smoke test): ``mlp16`` and ``cnn16``, the variants plain, vmap
-clip, pergrad median and pergrad clip, 2 rounds (add others with ``--variants``).
+``--quick`` (smoke test): ``mlp16``, ``cnn16`` and ``tfm8``, the variants plain,
+vmap clip, pergrad median, pergrad clip and pergrad krum (and the Opacus pair
+on torch), 2 rounds (others with ``--variants``).
 
 Threads: every backend runs on ``--threads 1`` by default. On a small shared
 machine, multi-threaded pools (torch's OpenMP above all) get descheduled and a
@@ -33,33 +44,76 @@ eager). Tracing/compilation is excluded (warm-up steps are run first).
 - ``jacobian <agg>``: a custom ``train_step`` that takes the Jacobian of the
   unreduced per-example loss vector w.r.t. the trainable variables, then
   aggregates: TF ``tape.jacobian`` (pfor), JAX ``jax.jacrev`` through
-  ``stateless_call``, torch ``torch.func.jacrev`` through ``stateless_call``;
+  ``stateless_call``, torch ``torch.func.jacrev`` through ``stateless_call``
+  (default list: ``jacobian clip`` only; ``jacobian median`` / ``mean`` on request);
 - ``vmap <agg>``: a custom ``train_step`` vectorizing the single-example
   gradient: TF a hand-written ``tf.vectorized_map`` around a ``GradientTape``,
   JAX ``jax.vmap(jax.grad)`` through ``stateless_call``, torch
   ``torch.func.vmap(torch.func.grad)`` through ``stateless_call``;
-- ``pergrad <agg>``: ``pergrad.PerExampleModel(model, agg)``.
+- ``pergrad <agg>``: ``pergrad.PerExampleModel(model, agg)``: the default path
+  (``path="auto"`` where the checkout's ``PerExampleModel`` has ``path=``: the
+  statistics fast path for statistics rules; otherwise the materialized engine);
+- ``pergrad-mat <agg>``: ``PerExampleModel(..., path="materialized")``, the
+  materialized (vmap) engine beside the fast path, for the statistics rules
+  (mean, clip, dp, krum, geomed, normfilter). Only where ``path=`` exists
+  (checked with ``inspect.signature``); ``pergrad-stats <agg>`` (not in the
+  default list) forces ``path="statistics"``;
+- ``opacus-plain`` and ``opacus clip`` (torch run, if ``opacus`` imports; MLP and
+  CNN only): the same MLP / CNN written in ``torch.nn`` (NCHW), trained by a plain
+  torch loop, and made private by Opacus ghost clipping
+  (``PrivacyEngine().make_private(..., grad_sample_mode="ghost",
+  noise_multiplier=0, max_grad_norm=1.0, poisson_sampling=False)``, the
+  returned ``DPLossFastGradientClipping`` criterion: two backward passes). Their
+  ``x plain`` is against the Keras plain step; the goals also give
+  ``opacus clip / opacus-plain`` and compare absolute times with pergrad clip.
+  Without Opacus the run says "opacus not installed" and has no such rows.
 
 Aggregations: ``mean``; ``median`` (coordinate-wise); ``clip`` = per-example
-flat L2 clipping to 1.0 then the mean (``pergrad.aggregators.clip(1.0)``). The
-recipes aggregate with hand-written ``keras.ops`` code doing the same thing.
+flat L2 clipping to 1.0 then the mean (``pergrad.aggregators.clip(1.0)``);
+``dp`` = ``pergrad.privacy.dp_gaussian(1.0, 1.0)`` (clip to 1.0, sum, Gaussian
+noise of std 1.0, divide by B); ``krum`` = ``krum(0.1)``; ``geomed`` =
+``geometric_median()``; ``normfilter`` = ``norm_filter()`` (drops norms above 3x
+the median). The jacobian and vmap recipes aggregate mean, median and clip with
+hand-written ``keras.ops`` code doing the same thing; the other aggregations are
+pergrad-only (a variant that does not apply is a "skipped: why" row).
 
 Timing: variants are interleaved in rounds (the order rotates each round) so
 that load on a shared machine hits all of them alike. Each round times a block
 of steps per variant; the reported time is the median over rounds and the ratio
 is the median over rounds of (variant / plain in the same round). Variants
-slower than ``--slow-factor`` x plain are timed one step at a time on at most
-``--slow-steps`` rounds (marked in the table). The table also gives the minor
-page faults per step: on Linux, glibc serves every block above its mmap
-threshold (32 MiB at most) with fresh pages, so a step that builds large
-per-example tensors pays one fault per 4 KiB touched, which is most of its time
-on some machines (``--malloc-tuning`` shows the difference).
+slower than ``--slow-factor`` x plain (on one calibration step; two if under
+1 s) are timed one step at a time on at most ``--slow-steps`` rounds (marked in
+the table). The table also gives the minor page faults per step: on Linux, glibc serves every
+block above its mmap threshold (32 MiB at most) with fresh pages, so a step
+that builds large per-example tensors pays one fault per 4 KiB touched, which
+is most of its time on some machines (``--malloc-tuning`` shows the
+difference).
+
+Memory (``--memory``, or ``--memory-only`` without the timing rounds): each
+(model, variant) runs again in a fresh subprocess of this script, same backend
+and options (``--memory-child``): the first step and 2 more, then its peak
+resident set size. That is ``VmHWM`` from ``/proc/self/status`` on Linux (the
+process's own peak; ``ru_maxrss`` would not do: ``execve`` carries the spawning
+parent's peak into the child's) and ``ru_maxrss`` elsewhere. The table gives the
+peak (framework included), its ratio to the plain step's peak, and the step's
+share: the peak minus the peak after the imports and the data, before the
+model is built. One subprocess costs the backend's import and compile time
+(5-15 s), so ``--memory`` on the default list adds several minutes; narrow it
+with ``--variants``.
+
+Goals (printed under the table, issue 9 section 4; pergrad = the default
+path): ``clip`` and ``dp`` <= 1.3x plain on the MLP and the CNN (stretch 1.1x on
+the MLP), <= 1.5x on the transformer; ``krum``, ``geomed``, ``normfilter`` <=
+1.5x on the MLP (stated at B=256); ``mean`` <= 1.1x everywhere; pergrad clip
+faster than Opacus ghost clipping in absolute time (torch); peak memory of
+clip / dp <= 1.2x plain's. Then the earlier pergrad / raw vmap comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import platform
@@ -75,10 +129,30 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 def process_options(argv=None):
     """Options that must act before the backend is imported."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--malloc-tuning", action="store_true")
+    parser.add_argument("--models", default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--memory-child", nargs=2, default=None)
     return parser.parse_known_args(argv)[0]
+
+
+def disable_onednn_for_attention(options):
+    """TensorFlow: oneDNN off (unless the user set it) when a transformer is benchmarked.
+
+    TF 2.21's oneDNN kernels corrupt memory in the vectorized per-example pass
+    of attention layers (README, known issues), which aborts the whole process;
+    it must be decided before TensorFlow is imported.
+    """
+    if options.memory_child:
+        models = [options.memory_child[0]]
+    elif options.models:
+        models = options.models.split(",")
+    else:
+        models = QUICK_MODELS if options.quick else DEFAULT_MODELS
+    if any(m.strip().startswith("tfm") for m in models):
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
 def limit_threads(threads: int | None):
@@ -115,8 +189,11 @@ def tune_malloc():
     libc.mallopt(m_trim_threshold, 2**31 - 1)
 
 
+DEFAULT_MODELS = ("mlp64", "mlp256", "cnn64", "tfm64")
+QUICK_MODELS = ("mlp16", "cnn16", "tfm8")
 PROCESS = process_options() if __name__ == "__main__" else process_options([])
 limit_threads(PROCESS.threads)
+disable_onednn_for_attention(PROCESS)
 if PROCESS.malloc_tuning:
     tune_malloc()
 
@@ -133,21 +210,34 @@ sys.path.insert(0, os.path.join(_HERE, "..", "src"))
 sys.path.insert(0, _HERE)
 import pergrad  # noqa: E402
 
-DEFAULT_MODELS = ("mlp64", "mlp256", "cnn64")
-QUICK_MODELS = ("mlp16", "cnn16")
-QUICK_VARIANTS = ("plain", "vmap clip", "pergrad median", "pergrad clip")
+QUICK_VARIANTS = ("plain", "vmap clip", "pergrad median", "pergrad clip", "pergrad krum")
+QUICK_OPACUS = ("opacus clip", "opacus-plain")
 
 
 def parse_model(key: str):
     """``"mlp64"`` -> ``("mlp", 64)``: the architecture and the batch size."""
-    match = re.fullmatch(r"(mlp|cnn)(\d+)", key)
+    match = re.fullmatch(r"(mlp|cnn|tfm)(\d+)", key)
     if not match:
-        raise ValueError(f"unknown model {key!r}: use mlp<batch> or cnn<batch>, e.g. mlp64, cnn64")
+        raise ValueError(
+            f"unknown model {key!r}: use mlp<batch>, cnn<batch> or tfm<batch>, e.g. mlp64, tfm64"
+        )
     return match.group(1), int(match.group(2))
-AGGREGATIONS = ("mean", "median", "clip")
+
+
+#: aggregations of the rows; the recipes implement only RECIPE_AGGREGATE's
+AGGREGATIONS = ("mean", "median", "clip", "dp", "krum", "geomed", "normfilter")
+#: the statistics rules: the ones with a fast path, shown again as ``pergrad-mat``
+STATISTICS_AGGREGATIONS = ("mean", "clip", "dp", "krum", "geomed", "normfilter")
 CLIP_NORM = 1.0
+NOISE_MULTIPLIER = 1.0
+KRUM_BYZANTINE = 0.1
 SEED = 0
 LEARNING_RATE = 0.01
+# the transformer classifier
+VOCAB, SEQUENCE, WIDTH, HEADS, KEY_DIM, FFN, CLASSES = 1000, 64, 64, 2, 32, 128, 10
+
+#: whether this checkout's PerExampleModel can be told which engine path to take
+HAS_PATH = "path" in inspect.signature(pergrad.PerExampleModel.__init__).parameters
 
 # --------------------------------------------------------------------------------------
 # models and data
@@ -155,6 +245,8 @@ LEARNING_RATE = 0.01
 
 def build_model(kind: str) -> keras.Model:
     keras.utils.set_random_seed(SEED)  # every variant starts from the same weights
+    if kind == "tfm":
+        return build_transformer()
     if kind == "mlp":
         layers = [
             keras.Input((784,)),
@@ -174,10 +266,33 @@ def build_model(kind: str) -> keras.Model:
     return keras.Sequential(layers, name=kind)
 
 
+def build_transformer() -> keras.Model:
+    """A one-block transformer classifier on token ids (B, 64), post-LayerNorm.
+
+    The learned position embedding is an ``Embedding(64, 64)`` of the position
+    ids, built inside the graph from the token ids' shape (no custom layer).
+    """
+    tokens = keras.Input((SEQUENCE,), dtype="int32")
+    positions = ops.zeros_like(tokens) + ops.arange(SEQUENCE, dtype="int32")[None, :]
+    h = keras.layers.Embedding(VOCAB, WIDTH, name="tokens")(tokens)
+    h = h + keras.layers.Embedding(SEQUENCE, WIDTH, name="positions")(positions)
+    attended = keras.layers.MultiHeadAttention(HEADS, KEY_DIM, name="attention")(h, h)
+    h = keras.layers.LayerNormalization(name="norm1")(h + attended)
+    f = keras.layers.Dense(FFN, activation="relu", name="ffn1")(h)
+    f = keras.layers.Dense(WIDTH, name="ffn2")(f)
+    h = keras.layers.LayerNormalization(name="norm2")(h + f)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    logits = keras.layers.Dense(CLASSES, name="logits")(h)
+    return keras.Model(tokens, logits, name="tfm")
+
+
 def make_data(kind: str, batch_size: int):
     rng = np.random.default_rng(SEED)
-    shape = (batch_size, 784) if kind == "mlp" else (batch_size, 28, 28, 1)
-    x = rng.normal(size=shape).astype("float32")
+    if kind == "tfm":
+        x = rng.integers(0, VOCAB, size=(batch_size, SEQUENCE)).astype("int32")
+    else:
+        shape = (batch_size, 784) if kind == "mlp" else (batch_size, 28, 28, 1)
+        x = rng.normal(size=shape).astype("float32")
     y = rng.integers(0, 10, size=(batch_size,)).astype("int32")
     return ops.convert_to_tensor(x), ops.convert_to_tensor(y)
 
@@ -221,7 +336,18 @@ RECIPE_AGGREGATE = {"mean": aggregate_mean, "median": aggregate_median, "clip": 
 
 
 def pergrad_aggregator(name):
-    return pergrad.aggregators.clip(CLIP_NORM) if name == "clip" else name
+    """The pergrad aggregator of a row's aggregation name."""
+    if name == "clip":
+        return pergrad.aggregators.clip(CLIP_NORM)
+    if name == "dp":
+        return pergrad.privacy.dp_gaussian(CLIP_NORM, NOISE_MULTIPLIER)
+    if name == "krum":
+        return pergrad.aggregators.krum(KRUM_BYZANTINE)
+    if name == "geomed":
+        return pergrad.aggregators.geometric_median()
+    if name == "normfilter":
+        return pergrad.aggregators.norm_filter()  # factor=3 x the median norm
+    return name
 
 
 # --------------------------------------------------------------------------------------
@@ -241,6 +367,8 @@ class RecipeModel(keras.Model):
     def call(self, x, training=None):
         return self.inner(x, training=training)
 
+
+opacus = None  # torch only, imported below
 
 if BACKEND == "tensorflow":
     import tensorflow as tf
@@ -295,6 +423,11 @@ elif BACKEND == "jax":
 
 else:
     import torch
+
+    try:  # the optional Opacus anchor (pip install opacus)
+        import opacus
+    except ImportError:
+        opacus = None
 
     class Recipe(RecipeModel):
         #: set when the raw torch.vmap recipe needed pergrad's keras#23587 workaround
@@ -398,14 +531,115 @@ class Stepper:
             self.model.jax_state_sync()
 
 
+class TorchStepper:
+    """The Opacus anchor: a torch-native model, trained by a plain torch loop
+    (``opacus-plain``) or made private with Opacus ghost clipping (``opacus clip``:
+    ``grad_sample_mode="ghost"``, flat clipping to ``CLIP_NORM``, noise 0, mean
+    loss reduction, the fixed batch instead of Poisson sampling). Same interface
+    as :class:`Stepper`."""
+
+    def __init__(self, kind, x, y, private: bool):
+        torch.manual_seed(SEED)
+        nn = torch.nn
+        if kind == "mlp":
+            net = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                                nn.Linear(256, 10))
+        else:  # NCHW: Conv 3x3x16 relu, Conv 3x3x32 relu, MaxPool 2, Flatten, Dense 10
+            net = nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.Conv2d(16, 32, 3), nn.ReLU(),
+                                nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 12 * 12, 10))
+            x = x.permute(0, 3, 1, 2).contiguous()
+        self.x, self.y = x.detach(), y.detach().long()
+        optimizer = torch.optim.SGD(net.parameters(), lr=LEARNING_RATE)
+        criterion = nn.CrossEntropyLoss()
+        if private:
+            loader = torch.utils.data.DataLoader(
+                torch.utils.data.TensorDataset(self.x, self.y), batch_size=len(self.x)
+            )
+            net, optimizer, criterion, _ = opacus.PrivacyEngine(accountant="rdp").make_private(
+                module=net, optimizer=optimizer, criterion=criterion, data_loader=loader,
+                noise_multiplier=0.0, max_grad_norm=CLIP_NORM, poisson_sampling=False,
+                grad_sample_mode="ghost",
+            )
+        net.train()
+        # Opacus's hooks on the first layer (whose input needs no gradient): harmless
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        self.net, self.optimizer, self.criterion = net, optimizer, criterion
+        start = time.perf_counter()
+        self._step()
+        self.first_step_s = time.perf_counter() - start
+
+    def _step(self):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.criterion(self.net(self.x), self.y)
+        loss.backward()  # Opacus ghost: two backward passes (norms, then clipped sum)
+        self.optimizer.step()
+
+    def run(self, steps: int) -> tuple[float, int]:
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start = time.perf_counter()
+        for _ in range(steps):
+            self._step()
+        seconds = time.perf_counter() - start
+        return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+
+    def close(self):
+        pass
+
+
+class Skipped(Exception):
+    """A variant that does not apply to this model or checkout (a row saying why)."""
+
+
+#: recipes whose train step aggregates with RECIPE_AGGREGATE (hand-written keras.ops)
+HAND_AGGREGATED = ("jacobian", "vmap", "proto", "ghost")
+#: the Opacus anchor: torch-native equivalents of these model kinds only
+OPACUS_KINDS = ("mlp", "cnn")
+
+
+def split_variant(name: str) -> tuple[str, str]:
+    """``"pergrad clip"`` -> ``("pergrad", "clip")``; ``"plain"`` -> ``("plain", "")``."""
+    recipe, _, aggregation = name.partition(" ")
+    return recipe, aggregation
+
+
+def unsupported(name: str, kind: str) -> str | None:
+    """Why variant ``name`` cannot run on a ``kind`` model here, or None."""
+    recipe, aggregation = split_variant(name)
+    if recipe in ("opacus", "opacus-plain"):
+        if BACKEND != "torch":
+            return "Opacus rows run in the torch run only"
+        if opacus is None:
+            return "opacus not installed"
+        if kind not in OPACUS_KINDS:
+            return f"no torch-native {kind} model for Opacus (MLP and CNN only)"
+        if recipe == "opacus" and aggregation != "clip":
+            return "Opacus rows: clip only"
+        return None
+    if recipe == "plain":
+        return None
+    if aggregation not in AGGREGATIONS:
+        return f"unknown aggregation {aggregation!r}"
+    if recipe in HAND_AGGREGATED and aggregation not in RECIPE_AGGREGATE:
+        return f"no {recipe} recipe for {aggregation}"
+    if recipe in ("pergrad-mat", "pergrad-stats") and not HAS_PATH:
+        return "this checkout's PerExampleModel has no path= argument"
+    if recipe not in HAND_AGGREGATED + ("pergrad", "pergrad-mat", "pergrad-stats"):
+        return f"unknown recipe {recipe!r}"
+    return None
+
+
 def make_variant(name: str, kind: str):
     inner = build_model(kind)
     if name == "plain":
         model = inner
     else:
-        recipe, aggregation = name.split(" ")
-        if recipe == "pergrad":
-            model = pergrad.PerExampleModel(inner, pergrad_aggregator(aggregation))
+        recipe, aggregation = split_variant(name)
+        if recipe in ("pergrad", "pergrad-mat", "pergrad-stats"):
+            # path= only where this checkout has it: "auto" picks the statistics
+            # path for statistics rules; the materialized engine is the reference
+            path = {"pergrad": "auto", "pergrad-mat": "materialized", "pergrad-stats": "statistics"}
+            kwargs = {"path": path[recipe]} if HAS_PATH else {}
+            model = pergrad.PerExampleModel(inner, pergrad_aggregator(aggregation), **kwargs)
         elif recipe == "proto":  # engine changes prototyped in benchmarks/prototypes.py
             import prototypes
 
@@ -420,38 +654,202 @@ def make_variant(name: str, kind: str):
     return model
 
 
-def variant_names(selected_aggregations, recipes):
+def make_stepper(name: str, kind: str, x, y):
+    """A built, compiled, once-stepped variant; raises :class:`Skipped` where it does not apply."""
+    reason = unsupported(name, kind)
+    if reason:
+        raise Skipped(reason)
+    recipe, _ = split_variant(name)
+    if recipe in ("opacus", "opacus-plain"):
+        return TorchStepper(kind, x, y, private=recipe == "opacus")
+    return Stepper(make_variant(name, kind), x, y)
+
+
+def default_recipes() -> list[str]:
+    recipes = ["jacobian", "vmap", "pergrad"]
+    if HAS_PATH:
+        recipes.append("pergrad-mat")
+    if BACKEND == "torch" and opacus is not None:
+        recipes.append("opacus")
+    return recipes
+
+
+def variant_names(selected_aggregations, recipes, kind):
+    """The default rows of a ``kind`` model: every recipe x aggregation that applies."""
     names = ["plain"]
     for recipe in recipes:
+        if recipe == "opacus":
+            if "clip" in selected_aggregations and not unsupported("opacus clip", kind):
+                names += ["opacus-plain", "opacus clip"]
+            continue
         for aggregation in selected_aggregations:
-            if recipe == "jacobian" and aggregation == "mean":
-                continue  # the jacobian rows of interest are median and clip
-            names.append(f"{recipe} {aggregation}")
+            if recipe == "jacobian" and aggregation != "clip":
+                # the jacobian costs ~B backward passes whatever follows; its median
+                # row took minutes per backend (ask for it with --variants)
+                continue
+            if recipe == "pergrad-mat" and aggregation not in STATISTICS_AGGREGATIONS:
+                continue  # median has a single (materialized) path
+            name = f"{recipe} {aggregation}"
+            if not unsupported(name, kind):
+                names.append(name)
     return names
+
+
+MEMORY_STEPS = 2  # steps after the first (compiling) one in a memory subprocess
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident set size, KiB.
+
+    Linux: ``VmHWM`` of ``/proc/self/status``, the peak of this process's own
+    address space. ``ru_maxrss`` is not used there: ``execve`` carries the
+    spawning parent's peak into it (the kernel's ``signal->maxrss``), so a
+    child spawned by a 1 GiB benchmark process would report >= 1 GiB.
+    Elsewhere ``ru_maxrss`` (bytes on macOS).
+    """
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak // 1024 if sys.platform == "darwin" else peak
+
+
+def memory_child(key: str, name: str) -> None:
+    """``--memory-child KEY NAME``: one variant's peak memory, as a JSON line on stdout.
+
+    ``baseline_kib`` is the peak RSS after the imports and the data (before the
+    model is built), ``peak_kib`` the peak after the first step and
+    ``MEMORY_STEPS`` more (:func:`peak_rss_kib`: the process's, framework included).
+    """
+    configure_threads(PROCESS.threads)
+    kind, batch_size = parse_model(key)
+    x, y = make_data(kind, batch_size)
+    # keras.utils.set_random_seed imports TensorFlow where it is installed, on
+    # every backend (~400 MiB on torch): into the baseline, alike for all variants
+    keras.utils.set_random_seed(SEED)
+    baseline = peak_rss_kib()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stepper = make_stepper(name, kind, x, y)
+            stepper.run(MEMORY_STEPS)
+            stepper.close()
+    except Skipped as reason:
+        print(json.dumps(dict(skipped=str(reason))))
+        return
+    print(json.dumps(dict(baseline_kib=baseline, peak_kib=peak_rss_kib())))
+
+
+def measure_memory(key: str, name: str, args) -> dict:
+    """Runs :func:`memory_child` in a fresh process (same backend and options)."""
+    import subprocess
+
+    command = [sys.executable, os.path.abspath(__file__), "--memory-child", key, name,
+               "--threads", str(args.threads)]
+    if args.malloc_tuning:
+        command.append("--malloc-tuning")
+    env = {**os.environ, "KERAS_BACKEND": BACKEND}
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True,
+                              timeout=args.memory_timeout)
+    except subprocess.TimeoutExpired:
+        return dict(failed=f"memory subprocess over {args.memory_timeout:g} s")
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:120]
+        return dict(failed=f"memory subprocess exit {done.returncode}: {tail}")
+    return json.loads(lines[-1])
 
 
 def bench_model(key, args, log):
     kind, batch_size = parse_model(key)
     x, y = make_data(kind, batch_size)
-    names = args.variants or variant_names(args.aggregations, args.recipes)
-    steppers, failures = {}, {}
-    for name in names:
+    names = args.variants or variant_names(args.aggregations, args.recipes, kind)
+    if "plain" not in names:
+        names.insert(0, "plain")
+    memory = {}
+    if args.memory:
+        for name in names:
+            memory[name] = measure_memory(key, name, args)
+            shown = {k: v for k, v in memory[name].items() if k != "baseline_kib"}
+            log(f"  {key} {name}: memory {shown}")
+    steppers, failures, skipped = {}, {}, {}
+    for name in [] if args.memory_only else names:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                stepper = Stepper(make_variant(name, kind), x, y)
+                stepper = make_stepper(name, kind, x, y)
                 for _ in range(args.warmup):
                     stepper.run(1)
             steppers[name] = stepper
+        except Skipped as reason:
+            skipped[name] = str(reason)
+            log(f"  {key} {name}: skipped ({reason})")
         except Exception as error:  # report and go on with the other variants
             failures[name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
             log(f"  {key} {name}: FAILED {failures[name]}")
-    if "plain" not in steppers:
-        raise RuntimeError(f"plain step failed on {key}: {failures.get('plain')}")
+    if args.memory_only:
+        samples, block, slow = {}, {}, set()
+    else:
+        if "plain" not in steppers:
+            raise RuntimeError(f"plain step failed on {key}: {failures.get('plain')}")
+        samples, faults, block, slow = time_steppers(key, steppers, args, log)
 
+    rows = []
+    plain = samples.get("plain", {})
+    plain_peak = memory.get("plain", {}).get("peak_kib")
+    for name in names:
+        row = dict(model=key, variant=name)
+        if name in skipped:
+            row["skipped"] = skipped[name]
+        elif name in failures:
+            row["failed"] = failures[name]
+        elif name in samples:
+            times = samples[name]
+            ratios = [t / plain[r] for r, t in times.items() if r in plain]
+            row.update(
+                ms=1e3 * statistics.median(times.values()),
+                ratio=statistics.median(ratios),
+                steps=sum(block[name] for _ in times),
+                slow=name in slow,
+                first_step_s=steppers[name].first_step_s,
+                faults=statistics.median(faults[name]),
+            )
+            own = OWN_PLAIN.get(name)
+            if own in samples:  # e.g. opacus clip / opacus-plain, round by round
+                own_times = samples[own]
+                row["ratio_own"] = statistics.median(
+                    t / own_times[r] for r, t in times.items() if r in own_times
+                )
+        cell = memory.get(name)
+        if cell is not None:
+            if "peak_kib" in cell:
+                row.update(peak_mib=cell["peak_kib"] / 1024,
+                           step_mib=(cell["peak_kib"] - cell["baseline_kib"]) / 1024)
+                if plain_peak:
+                    row["peak_ratio"] = cell["peak_kib"] / plain_peak
+            elif "skipped" in cell:
+                row.setdefault("skipped", cell["skipped"])
+            else:
+                row["memory_failed"] = cell["failed"]
+        rows.append(row)
+    return rows
+
+
+#: variants whose own baseline is not the Keras plain step
+OWN_PLAIN = {"opacus clip": "opacus-plain"}
+
+
+def time_steppers(key, steppers, args, log):
+    """Interleaved timing rounds; per variant: {round: s/step}, faults/step, block, slow set."""
     # calibration: one timed step each, to size the blocks and spot slow variants
     estimate = {name: s.run(1)[0] for name, s in steppers.items()}
     estimate["plain"] = min(estimate["plain"], steppers["plain"].run(3)[0] / 3)
+    for name, s in steppers.items():  # a second look (if under 1 s) before capping its steps:
+        if 1.0 > estimate[name] > args.slow_factor * estimate["plain"]:  # TF's early steps lag
+            estimate[name] = min(estimate[name], s.run(1)[0])
     slow = {n for n, t in estimate.items() if t > args.slow_factor * estimate["plain"]}
     block = {
         n: 1 if n in slow else int(min(args.max_block, max(1, round(args.block_s / t))))
@@ -471,28 +869,7 @@ def bench_model(key, args, log):
         log(f"  {key}: round {round_ + 1}/{args.repeats} done")
     for s in steppers.values():
         s.close()
-
-    rows = []
-    plain = samples["plain"]
-    for name in names:
-        if name in failures:
-            rows.append(dict(model=key, variant=name, failed=failures[name]))
-            continue
-        times = samples[name]
-        ratios = [t / plain[r] for r, t in times.items() if r in plain]
-        rows.append(
-            dict(
-                model=key,
-                variant=name,
-                ms=1e3 * statistics.median(times.values()),
-                ratio=statistics.median(ratios),
-                steps=sum(block[name] for _ in times),
-                slow=name in slow,
-                first_step_s=steppers[name].first_step_s,
-                faults=statistics.median(faults[name]),
-            )
-        )
-    return rows
+    return samples, faults, block, slow
 
 
 # --------------------------------------------------------------------------------------
@@ -525,56 +902,121 @@ def describe_recipes():
 
 
 def table(rows, args):
-    lines = [
-        "| model | variant | ms/step (median) | x plain | steps timed | page faults/step | first step s |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
+    timing, memory = not args.memory_only, args.memory
+    header, align = ["model", "variant"], ["---", "---"]
+    if timing:
+        header += ["ms/step (median)", "x plain", "steps timed", "page faults/step", "first step s"]
+        align += ["---:"] * 5
+    if memory:
+        header += ["peak MiB", "x plain peak", "step MiB"]
+        align += ["---:"] * 3
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     for row in rows:
-        if "failed" in row:
-            lines.append(f"| {row['model']} | {row['variant']} | failed: {row['failed']} | | | | |")
-            continue
-        mark = " †" if row["slow"] else ""
-        lines.append(
-            f"| {row['model']} | {row['variant']}{mark} | {row['ms']:.2f} | {row['ratio']:.2f} | "
-            f"{row['steps']} | {row['faults']:.0f} | {row['first_step_s']:.1f} |"
-        )
+        cells = [row["model"], row["variant"] + (" †" if row.get("slow") else "")]
+        note = row.get("skipped") and f"skipped: {row['skipped']}"
+        note = note or (row.get("failed") and f"failed: {row['failed']}")
+        if timing:
+            if "ms" in row:
+                cells += [f"{row['ms']:.2f}", f"{row['ratio']:.2f}", str(row["steps"]),
+                          f"{row['faults']:.0f}", f"{row['first_step_s']:.1f}"]
+            else:
+                cells += [note or "", "", "", "", ""]
+        if memory:
+            if "peak_mib" in row:
+                ratio = f"{row['peak_ratio']:.2f}" if "peak_ratio" in row else ""
+                cells += [f"{row['peak_mib']:.0f}", ratio, f"{row['step_mib']:.0f}"]
+            else:
+                cells += [("" if timing and note else note) or row.get("memory_failed", ""), "", ""]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def find(rows, model, variant):
+def find(rows, model, variant, field="ratio"):
     for row in rows:
-        if row["model"] == model and row["variant"] == variant and "ratio" in row:
+        if row["model"] == model and row["variant"] == variant and field in row:
             return row
     return None
 
 
+#: issue 9 section 4: the largest ratio to a plain Keras step, per model kind
+STATISTICS_GOALS = {"mlp": 1.3, "cnn": 1.3, "tfm": 1.5}
+ROBUST_GOAL = 1.5  # krum, geomed, normfilter on the MLP (stated at B=256)
+MEAN_GOAL = 1.1
+MEMORY_GOAL = 1.2  # peak of clip / dp over the plain step's peak
+
+
+def verdict(ok: bool) -> str:
+    return "MET" if ok else "NOT MET"
+
+
 def goals(rows):
+    """Issue 9 section 4's goals, checked on the rows (pergrad = the default path)."""
     out = []
-    if BACKEND == "tensorflow":
-        jac, pg = find(rows, "cnn64", "jacobian median"), find(rows, "cnn64", "pergrad median")
-        if jac and pg:
-            speedup = jac["ratio"] / pg["ratio"]
-            out.append(
-                f"- TF cnn64: pergrad median is {speedup:.1f}x faster than the jacobian median "
-                f"recipe (goal >= 10x): {'MET' if speedup >= 10 else 'NOT MET'}"
-            )
-        pg = find(rows, "cnn64", "pergrad clip")
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    for model in models:
+        kind, _ = parse_model(model)
+        limit = STATISTICS_GOALS[kind]
+        for aggregation in ("clip", "dp"):
+            pg = find(rows, model, f"pergrad {aggregation}")
+            if pg:
+                stretch = " (stretch 1.1x: met)" if kind == "mlp" and pg["ratio"] <= 1.1 else ""
+                out.append(f"- {model} pergrad {aggregation}: {pg['ratio']:.2f}x plain (goal <= "
+                           f"{limit}x): {verdict(pg['ratio'] <= limit)}{stretch}")
+        if kind == "mlp":
+            for aggregation in ("krum", "geomed", "normfilter"):
+                pg = find(rows, model, f"pergrad {aggregation}")
+                if pg:
+                    out.append(f"- {model} pergrad {aggregation}: {pg['ratio']:.2f}x plain (goal "
+                               f"<= {ROBUST_GOAL}x, stated at B=256): "
+                               f"{verdict(pg['ratio'] <= ROBUST_GOAL)}")
+        pg = find(rows, model, "pergrad mean")
         if pg:
-            out.append(
-                f"- TF cnn64: pergrad clip is {pg['ratio']:.2f}x a plain step (goal <= 4x): "
-                f"{'MET' if pg['ratio'] <= 4 else 'NOT MET'}"
-            )
-    for model in dict.fromkeys(row["model"] for row in rows):
-        for aggregation in AGGREGATIONS:
+            out.append(f"- {model} pergrad mean: {pg['ratio']:.2f}x plain (goal <= {MEAN_GOAL}x): "
+                       f"{verdict(pg['ratio'] <= MEAN_GOAL)}")
+        pg, op = find(rows, model, "pergrad clip"), find(rows, model, "opacus clip")
+        if pg and op:
+            own = f", {op['ratio_own']:.2f}x opacus-plain" if "ratio_own" in op else ""
+            out.append(f"- {model} pergrad clip {pg['ms']:.2f} ms vs Opacus ghost clipping "
+                       f"{op['ms']:.2f} ms{own} (goal: pergrad faster): "
+                       f"{verdict(pg['ms'] < op['ms'])}")
+        for aggregation in ("clip", "dp"):
+            pg = find(rows, model, f"pergrad {aggregation}", "peak_ratio")
+            plain = find(rows, model, "plain", "step_mib")
+            if pg and plain:
+                out.append(f"- {model} pergrad {aggregation} peak memory: {pg['peak_ratio']:.2f}x "
+                           f"plain's (goal <= {MEMORY_GOAL}x): {verdict(pg['peak_ratio'] <= MEMORY_GOAL)}"
+                           f"; the step's share {pg['step_mib']:.0f} MiB vs plain's "
+                           f"{plain['step_mib']:.0f} MiB")
+    # the default path against the materialized engine (where path= exists)
+    for model in models:
+        for aggregation in STATISTICS_AGGREGATIONS:
+            pg = find(rows, model, f"pergrad {aggregation}")
+            mat = find(rows, model, f"pergrad-mat {aggregation}")
+            if pg and mat:
+                out.append(f"- {model} {aggregation}: default path {pg['ms']:.2f} ms, materialized "
+                           f"{mat['ms']:.2f} ms (materialized / default = {mat['ms'] / pg['ms']:.2f})")
+    # earlier goals, still informative: pergrad against the raw vmap recipe
+    for model in models:
+        for aggregation in RECIPE_AGGREGATE:
             raw, pg = find(rows, model, f"vmap {aggregation}"), find(rows, model, f"pergrad {aggregation}")
             if raw and pg:
                 ratio = pg["ratio"] / raw["ratio"]
-                verdict = "MET" if ratio <= 1.0 else ("within noise (<10%)" if ratio <= 1.1 else "NOT MET")
-                out.append(
-                    f"- {model} {aggregation}: pergrad / raw vmap = {ratio:.2f} "
-                    f"(goal <= 1): {verdict}"
-                )
+                check = "MET" if ratio <= 1.0 else ("within noise (<10%)" if ratio <= 1.1 else "NOT MET")
+                out.append(f"- {model} {aggregation}: pergrad / raw vmap = {ratio:.2f} "
+                           f"(earlier goal <= 1): {check}")
     return "\n".join(out)
+
+
+def configure_threads(threads: int) -> None:
+    """The thread counts that must be set through the backends' APIs."""
+    if threads and BACKEND == "torch":  # torch reads no environment variable for this
+        torch.set_num_threads(threads)
+        with contextlib.suppress(RuntimeError):
+            torch.set_num_interop_threads(threads)
+    if threads and BACKEND == "tensorflow":  # besides TF_NUM_*_THREADS, if still possible
+        with contextlib.suppress(RuntimeError):
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+            tf.config.threading.set_inter_op_parallelism_threads(threads)
 
 
 def main(argv=None):
@@ -582,10 +1024,13 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: " + ",".join(QUICK_MODELS) + ", 2 rounds, short blocks")
     parser.add_argument("--models", default=None,
-                        help="comma list of mlp<B>/cnn<B> (default " + ",".join(DEFAULT_MODELS) + ")")
+                        help="comma list of mlp<B>/cnn<B>/tfm<B> (default "
+                        + ",".join(DEFAULT_MODELS) + ")")
     parser.add_argument("--aggregations", default=",".join(AGGREGATIONS))
-    parser.add_argument("--recipes", default="jacobian,vmap,pergrad",
-                        help="jacobian,vmap,pergrad (and proto: benchmarks/prototypes.py)")
+    parser.add_argument("--recipes", default=",".join(default_recipes()),
+                        help="jacobian, vmap, pergrad, pergrad-mat and pergrad-stats (where "
+                        "PerExampleModel has path=), opacus (torch, if installed); proto and "
+                        "ghost: benchmarks/prototypes.py (default %(default)s)")
     parser.add_argument("--variants", default=None,
                         help="explicit comma list of variants, e.g. 'plain,vmap clip,pergrad clip'")
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default 7, quick 2)")
@@ -595,6 +1040,13 @@ def main(argv=None):
     parser.add_argument("--max-block", type=int, default=50)
     parser.add_argument("--slow-factor", type=float, default=20.0)
     parser.add_argument("--slow-steps", type=int, default=3)
+    parser.add_argument("--memory", action="store_true",
+                        help="also measure each variant's peak RSS in a fresh subprocess "
+                        f"(first step + {MEMORY_STEPS} steps)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="--memory without the timing rounds")
+    parser.add_argument("--memory-timeout", type=float, default=600.0,
+                        help="seconds allowed per memory subprocess")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads per backend (default 1: stable on a shared machine; "
@@ -605,6 +1057,7 @@ def main(argv=None):
                         "is more thorough on JAX)")
     args = parser.parse_args(argv)
     quick = args.quick
+    args.memory = args.memory or args.memory_only
     args.models = (args.models or ",".join(QUICK_MODELS if quick else DEFAULT_MODELS)).split(",")
     args.aggregations = args.aggregations.split(",")
     args.recipes = args.recipes.split(",")
@@ -612,8 +1065,8 @@ def main(argv=None):
         args.variants = [v.strip() for v in args.variants.split(",")]
     elif quick:
         args.variants = list(QUICK_VARIANTS)
-    if args.variants and "plain" not in args.variants:
-        args.variants.insert(0, "plain")
+        if BACKEND == "torch" and opacus is not None:
+            args.variants += QUICK_OPACUS
     args.repeats = args.repeats or (2 if quick else 7)
     args.warmup = args.warmup if args.warmup is not None else 1
     args.block_s = args.block_s or (0.05 if quick else 0.25)
@@ -631,14 +1084,9 @@ def main(argv=None):
     def log(message):
         print(message, file=sys.stderr, flush=True)
 
-    if args.threads and BACKEND == "torch":  # torch reads no environment variable for this
-        torch.set_num_threads(args.threads)
-        with contextlib.suppress(RuntimeError):
-            torch.set_num_interop_threads(args.threads)
-    if args.threads and BACKEND == "tensorflow":  # besides TF_NUM_*_THREADS, if still possible
-        with contextlib.suppress(RuntimeError):
-            tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-            tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    if BACKEND == "torch" and opacus is None:
+        log("opacus not installed: no Opacus rows (pip install opacus to add them)")
+    configure_threads(args.threads)
     start = time.perf_counter()
     rows = []
     for key in args.models:
@@ -652,6 +1100,7 @@ def main(argv=None):
         versions += f", jax {jax.__version__}"
     else:
         versions += f", torch {torch.__version__}"
+        versions += f", opacus {opacus.__version__}" if opacus else ", opacus not installed"
     options = [f"{os.cpu_count()} CPUs"]
     if args.threads:
         options.append(f"--threads {args.threads}")
@@ -659,19 +1108,45 @@ def main(argv=None):
         options.append("--malloc-tuning")
     if quick:
         options.append("--quick")
+    if BACKEND == "tensorflow":
+        onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "TF's default")
+        options.append(f"TF_ENABLE_ONEDNN_OPTS={onednn}")
     print(f"## {BACKEND} ({versions}; {platform.machine()}, {'; '.join(options)})\n")
     print(f"pergrad {pergrad.__version__} at {source_state()}.")
+    if HAS_PATH:
+        print("pergrad <agg> = PerExampleModel(..., path=\"auto\") (the statistics path for "
+              "statistics rules); pergrad-mat <agg> = path=\"materialized\" (the vmap engine).")
+    else:
+        print("pergrad <agg> = PerExampleModel(model, agg): this checkout has no path= "
+              "argument (the materialized engine only).")
+    print(f"Aggregations: clip = clip({CLIP_NORM:g}); dp = privacy.dp_gaussian({CLIP_NORM:g}, "
+          f"{NOISE_MULTIPLIER:g}); krum = krum({KRUM_BYZANTINE:g}); geomed = geometric_median(); "
+          "normfilter = norm_filter() (factor 3).")
     print(f"Recipes: {describe_recipes()}.")
+    if BACKEND == "torch":
+        print("Opacus: " + (
+            f"opacus {opacus.__version__}, torch-native MLP/CNN: opacus-plain = a plain torch "
+            "loop; opacus clip = make_private(grad_sample_mode=\"ghost\", noise_multiplier=0, "
+            f"max_grad_norm={CLIP_NORM:g}, poisson_sampling=False); its x plain is against the "
+            "Keras plain step (the goals also give it against opacus-plain)."
+            if opacus else "not installed (no Opacus rows)."))
     if BACKEND == "tensorflow":
         print(f"TF train function jit_compile: {make_variant('plain', 'mlp').jit_compile} "
               "(Keras's default on this machine).")
     if BACKEND == "torch" and Recipe.needed_layout_workaround:
         print("The raw torch.vmap recipe raised keras#23587 ('NYI: ... inside vmap') on a "
               "Conv2D; it was rerun with pergrad's layout workaround (pergrad.backend.torch).")
-    print(f"{args.repeats} interleaved rounds; time = median over rounds, x plain = median of "
-          f"per-round ratios. † = slower than {args.slow_factor:g}x plain: timed one step per "
-          f"round on at most {args.slow_steps} rounds. Page faults: minor faults of the "
-          "process per step (first touches of freshly mapped memory).\n")
+    if not args.memory_only:
+        print(f"{args.repeats} interleaved rounds; time = median over rounds, x plain = median of "
+              f"per-round ratios. † = slower than {args.slow_factor:g}x plain: timed one step per "
+              f"round on at most {args.slow_steps} rounds. Page faults: minor faults of the "
+              "process per step (first touches of freshly mapped memory).")
+    if args.memory:
+        print(f"Memory: a fresh process per variant (first step + {MEMORY_STEPS} steps); peak = "
+              "its peak RSS (VmHWM on Linux, else ru_maxrss; framework included), x plain peak = "
+              "over the plain step's; step = peak minus the peak after imports and data, before "
+              "the model is built.")
+    print()
     print(table(rows, args))
     checks = goals(rows)
     if checks:
@@ -684,4 +1159,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    if PROCESS.memory_child:
+        memory_child(*PROCESS.memory_child)
+    else:
+        main()
