@@ -299,7 +299,8 @@ def _capture(problem, plan, trainable_values, batched, shared, batch_size):
 
     def total(probe_values):
         losses, aux = adapter().vectorized_call(
-            example_loss, {"example": batched, "probes": grouped(probe_values)}, shared
+            example_loss, {"example": batched, "probes": grouped(probe_values)}, shared,
+            layout_hints=_has_convolutions(model),
         )
         scale = _example_scale(problem, aux, batch_size)
         aux["example_scale"] = scale
@@ -309,6 +310,13 @@ def _capture(problem, plan, trainable_values, batched, shared, batch_size):
 
     deltas, aux = _grad_with_aux(total, [p for group in probes for p in group])
     return aux.pop("captured"), grouped(deltas), aux
+
+
+def _has_convolutions(model) -> bool:
+    """Whether torch's convolutions will ask for memory layouts (``backend.torch``)."""
+    kinds = ("Conv", "Pooling")
+    return any(any(k in type(layer).__name__ for k in kinds)
+               for layer in compat.flatten_layers(model, include_self=False))
 
 
 def _grad_with_aux(fn, params):
@@ -478,7 +486,8 @@ def _direct(problem, weights, trainable_values, batched, shared, batch_size):
 
     def total(values):
         losses, aux = adapter().vectorized_call(
-            lambda example, shared: problem._example_loss(values, example, shared), batched, shared
+            lambda example, shared: problem._example_loss(values, example, shared), batched, shared,
+            layout_hints=_has_convolutions(problem.model),
         )
         scale = _example_scale(problem, aux, batch_size)
         aux["example_scale"], aux["loss"] = scale, losses
