@@ -115,7 +115,8 @@ def transformer():
     """Embedding, MultiHeadAttention (EinsumDense), LayerNormalization, Dense on sequences."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,), dtype="int32")
-    hidden = layers.Embedding(9, 4)(inputs)
+    # Two tables: T^2 = 25 > 9 forms the per-example table, 25 <= 40 takes token pairs.
+    hidden = layers.Embedding(9, 4)(inputs) + layers.Embedding(40, 4)(inputs)
     attended = layers.MultiHeadAttention(2, 2)(hidden, hidden)
     hidden = layers.LayerNormalization()(hidden + attended)
     hidden = layers.Dense(6, activation="relu")(hidden)

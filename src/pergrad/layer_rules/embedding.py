@@ -10,6 +10,8 @@ tokens select), never formed:
 
 from __future__ import annotations
 
+import math
+
 import keras
 from keras import ops
 
@@ -32,12 +34,19 @@ class EmbeddingRule(OutputRule):
         )
 
     def materializes(self, layer, inputs, delta) -> bool:
-        return False
+        # Token pairs cost T^2 per example (B^2 T^2 for the Gram matrix); the
+        # per-example table costs vocab (B^2 vocab). Whichever is smaller.
+        positions = math.prod(inputs.shape[1:]) if None not in inputs.shape[1:] else None
+        return positions is not None and positions * positions > layer.input_dim
 
     def per_example(self, layer, values, inputs, delta) -> list:
         ids, d = _flat(inputs, delta)
-        onehot = ops.one_hot(ids, layer.input_dim, dtype=d.dtype)
-        return [ops.einsum("btv,bto->bvo", onehot, d)]
+        batch, vocab = ops.shape(d)[0], layer.input_dim
+        # Example b's rows of the table: one segment sum over (b, id) pairs, B x T x d adds.
+        segments = ops.reshape(ids + ops.arange(batch, dtype="int32")[:, None] * vocab, (-1,))
+        rows = ops.reshape(d, (-1, ops.shape(d)[-1]))
+        table = ops.segment_sum(rows, segments, num_segments=batch * vocab)
+        return [ops.reshape(table, (batch, vocab, ops.shape(d)[-1]))]
 
     def squared_norms(self, layer, values, inputs, delta) -> list:
         ids, d = _flat(inputs, delta)
