@@ -10,8 +10,6 @@ tokens select), never formed:
 
 from __future__ import annotations
 
-import math
-
 import keras
 from keras import ops
 
@@ -34,10 +32,7 @@ class EmbeddingRule(OutputRule):
         )
 
     def materializes(self, layer, inputs, delta) -> bool:
-        # Token pairs cost T^2 per example (B^2 T^2 for the Gram matrix); the
-        # per-example table costs vocab (B^2 vocab). Whichever is smaller.
-        positions = math.prod(inputs.shape[1:]) if None not in inputs.shape[1:] else None
-        return positions is not None and positions * positions > layer.input_dim
+        return False  # norms and weighted sums: token pairs and a segment sum, always
 
     def per_example(self, layer, values, inputs, delta) -> list:
         ids, d = _flat(inputs, delta)
@@ -55,6 +50,10 @@ class EmbeddingRule(OutputRule):
 
     def gram(self, layer, values, inputs, delta):
         ids, d = _flat(inputs, delta)
+        positions = ids.shape[1]
+        if positions is None or positions * positions > layer.input_dim:
+            # Token pairs of two examples cost B^2 T^2 d, the per-example tables B^2 vocab d.
+            return super().gram(layer, values, inputs, delta)
         same = ops.cast(ops.equal(ids[:, None, :, None], ids[None, :, None, :]), d.dtype)
         return ops.sum(same * ops.einsum("ato,bso->abts", d, d), axis=(2, 3))
 
