@@ -223,6 +223,25 @@ class PerExampleProblem:
             _map(lambda t: ops.expand_dims(t, 0), example.get(key))
             for key in ("x", "y", "sample_weight")
         )
+        loss, y_pred, masks, scope = self._loss(trainable_values, non_trainable, x, y, sample_weight)
+        scaled = loss if shared.get("loss_scale") is None else loss * shared["loss_scale"]
+        aux = {
+            "loss": loss,
+            "y_pred": tree.map_structure(lambda t: ops.squeeze(t, 0), y_pred),
+            "seeds": [scope.get_current_value(self.model.non_trainable_variables[p])
+                      for p in self.seed_positions],
+        }
+        if masks:
+            aux["valid"] = ops.sum(ops.cast(masks[0], loss.dtype))
+            aux["mask"] = ops.squeeze(masks[0], 0)
+        return scaled, aux
+
+    def _loss(self, trainable_values, non_trainable, x, y, sample_weight):
+        """The data loss of a batch as Keras reduces it: ``(loss, y_pred, masks, scope)``.
+
+        Called on one example by :meth:`_example_loss` (``L_i``); on the whole
+        batch its value is ``mean_i L_i``. ``masks`` is empty or the one output's mask.
+        """
         y_pred, scope = self._forward(trainable_values, non_trainable, x, collect_losses=True)
         if scope.losses:
             raise NotImplementedError(
@@ -241,13 +260,6 @@ class PerExampleProblem:
         trackers = [(v, ops.zeros(v.shape, v.dtype)) for v in getattr(self.compile_loss, "variables", ())]
         with keras.StatelessScope(state_mapping=trackers):
             loss = self.compile_loss(y, y_pred, sample_weight)
-        scaled = loss if shared.get("loss_scale") is None else loss * shared["loss_scale"]
-        aux = {
-            "loss": loss,
-            "y_pred": tree.map_structure(lambda t: ops.squeeze(t, 0), y_pred),
-            "seeds": [scope.get_current_value(self.model.non_trainable_variables[p])
-                      for p in self.seed_positions],
-        }
         if any(m is not None for m in masks):
             if len(masks) > 1:
                 raise NotImplementedError(
@@ -255,9 +267,8 @@ class PerExampleProblem:
                     "several outputs Keras normalizes each output's loss by its own "
                     "count of unmasked steps, which is not known per example."
                 )
-            aux["valid"] = ops.sum(ops.cast(masks[0], loss.dtype))
-            aux["mask"] = ops.squeeze(masks[0], 0)
-        return scaled, aux
+            return loss, y_pred, masks, scope
+        return loss, y_pred, [], scope
 
     def _check_once(self, x, y):
         """Eager checks that need a forward pass on one example."""

@@ -34,6 +34,7 @@ from keras import ops, tree
 
 from pergrad import compat
 from pergrad.aggregators.base import ExampleStatistics
+from pergrad.aggregators.basic import Mean, Sum
 from pergrad.backend import adapter
 from pergrad.engine.materialized import per_example_gradients
 from pergrad.engine.problem import _bounded_get, _map, _problem, check_model
@@ -499,6 +500,37 @@ def _direct(problem, weights, trainable_values, batched, shared, batch_size):
     return _grad_with_aux(total, list(trainable_values))
 
 
+def _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, batched, loss_scale,
+                         batch_size):
+    """``mean`` and ``sum`` of a model that draws no random numbers: the gradient of the
+    batch loss Keras itself differentiates, which is ``mean_i g_i`` by the definition of
+    ``L_i`` (docs/architecture.md, 'Per-example gradients'). With randomness, each
+    example draws from its own stream (``_direct``), as on the other paths."""
+
+    def total(values):
+        loss, y_pred, masks, _ = problem._loss(
+            values, non_trainable, batched["x"], batched.get("y"), batched.get("sample_weight")
+        )
+        aux = {"y_pred": y_pred, "seeds": []}
+        if masks:
+            aux["mask"] = masks[0]
+        scaled = loss if loss_scale is None else loss * ops.cast(loss_scale, loss.dtype)
+        return ops.cast(scaled, "float32"), aux
+
+    result, aux = _grad_with_aux(total, list(trainable_values))
+    factor = None  # (skipped when 1: every op costs on an eager backend)
+    if loss_scale is not None:
+        factor = 1.0 / ops.cast(loss_scale, "float32")
+    if isinstance(aggregator, Sum):
+        size = ops.cast(batch_size, "float32")
+        factor = size if factor is None else factor * size
+    variables = problem.model.trainable_variables
+    if factor is not None:
+        result = [g * ops.cast(factor, g.dtype) for g in result]
+    stats = ExampleStatistics(ops.zeros((batch_size, len(variables)), "float32"))
+    return aggregator.finalize(result, stats), aux
+
+
 def _unscale(example_loss_scale):
     if example_loss_scale is None:
         return ops.convert_to_tensor(1.0, "float32")
@@ -539,6 +571,9 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     shared = {"non_trainable": non_trainable, "loss_scale": example_loss_scale}
     variables = problem.model.trainable_variables
     inverse = _unscale(example_loss_scale)
+    if type(aggregator) in (Mean, Sum) and not problem.seed_positions:
+        return _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, batched,
+                                    loss_scale, batch_size)
     if not aggregator.reads_statistics:
         stats = ExampleStatistics(ops.zeros((batch_size, len(variables)), "float32"))
         grads, aux = _direct(problem, aggregator.example_weights(stats), trainable_values, batched,
