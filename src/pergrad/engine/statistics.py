@@ -120,6 +120,13 @@ class _Interceptor:
             context.__exit__(*exc)
 
 
+def _float32(tensor):
+    """Float tensors in float32 (the statistics' dtype); integer ones (token ids) as they are."""
+    if not _is_float(tensor) or keras.backend.standardize_dtype(tensor.dtype) == "float32":
+        return tensor
+    return ops.cast(tensor, "float32")
+
+
 def _rows32(gradient):
     """``(B, ...) -> (B, size)`` in float32."""
     return ops.reshape(ops.cast(gradient, "float32"), (ops.shape(gradient)[0], -1))
@@ -361,10 +368,9 @@ class _Layers:
                 self.inputs.append(inputs)
                 self.deltas.append(delta)  # raw (scaled, compute dtype): the layer's own vjp
             else:
-                if _is_float(inputs):
-                    inputs = ops.cast(inputs, "float32")
-                self.inputs.append(ops.squeeze(inputs, 1))
-                self.deltas.append(ops.squeeze(ops.cast(delta[0], "float32"), 1) * inverse_scale)
+                self.inputs.append(_float32(ops.squeeze(inputs, 1)))
+                delta = _float32(ops.squeeze(delta[0], 1))
+                self.deltas.append(delta if inverse_scale is None else delta * inverse_scale)
         self.inverse_scale = inverse_scale
         uses = {}
         for call in plan.calls:
@@ -396,7 +402,8 @@ class _Layers:
             if call.fallback:
                 grads = per_example_vjp(call.recall, call.variables, self._values(call),
                                         self.inputs[position], self.deltas[position])
-                grads = [g * ops.cast(self.inverse_scale, g.dtype) for g in grads]
+                if self.inverse_scale is not None:
+                    grads = [g * ops.cast(self.inverse_scale, g.dtype) for g in grads]
             else:
                 grads = call.rule.per_example(call.layer, self._values(call), self.inputs[position],
                                               self.deltas[position])
@@ -532,8 +539,9 @@ def _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, b
 
 
 def _unscale(example_loss_scale):
+    """The factor that removes the loss scale from gradients, or ``None`` (no scale)."""
     if example_loss_scale is None:
-        return ops.convert_to_tensor(1.0, "float32")
+        return None
     return 1.0 / ops.cast(example_loss_scale, "float32")
 
 
@@ -578,7 +586,9 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         stats = ExampleStatistics(ops.zeros((batch_size, len(variables)), "float32"))
         grads, aux = _direct(problem, aggregator.example_weights(stats), trainable_values, batched,
                              shared, batch_size)
-        result = [ops.cast(g * ops.cast(inverse, g.dtype), v.dtype) for g, v in zip(grads, variables)]
+        if inverse is not None:
+            grads = [g * ops.cast(inverse, g.dtype) for g in grads]
+        result = [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
         return aggregator.finalize(result, stats), _finish_aux(problem, aux, non_trainable, batch_size)
     layers, aux = _layers(problem, trainable_values, batched, shared, batch_size, inverse)
     with _context(problem, trainable_values, non_trainable):

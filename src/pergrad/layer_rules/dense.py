@@ -22,9 +22,14 @@ from pergrad.layer_rules.base import PreActivationRule, register_rule
 
 
 def _flat(inputs, delta):
+    """``(B, n, d_in)``, ``(B, n, d_out)``."""
+    if len(inputs.shape) == 3:
+        return inputs, delta
+    if len(inputs.shape) == 2:
+        return inputs[:, None, :], delta[:, None, :]
     batch = ops.shape(delta)[0]
-    a = ops.reshape(inputs, (batch, -1, ops.shape(inputs)[-1]))
-    d = ops.reshape(delta, (batch, -1, ops.shape(delta)[-1]))
+    a = ops.reshape(inputs, (batch, -1, inputs.shape[-1]))
+    d = ops.reshape(delta, (batch, -1, delta.shape[-1]))
     return a, d
 
 
@@ -53,6 +58,10 @@ class DenseRule(PreActivationRule):
         return [grads[part] for part in self._parts(layer)]
 
     def squared_norms(self, layer, values, inputs, delta) -> list:
+        if len(inputs.shape) == 2:  # the common case, without reshapes (each op costs on torch)
+            squared_delta = ops.sum(ops.square(delta), axis=1)
+            norms = {"kernel": ops.sum(ops.square(inputs), axis=1) * squared_delta, "bias": squared_delta}
+            return [norms[part] for part in self._parts(layer)]
         a, d = _flat(inputs, delta)
         if a.shape[1] == 1:
             kernel = ops.sum(ops.square(a[:, 0]), axis=1) * ops.sum(ops.square(d[:, 0]), axis=1)
@@ -73,6 +82,10 @@ class DenseRule(PreActivationRule):
         return sum(grams[part] for part in self._parts(layer))
 
     def weighted_sum(self, layer, values, inputs, delta, weights) -> list:
+        if len(inputs.shape) == 2:
+            sums = {"kernel": lambda w: ops.matmul(ops.transpose(inputs), delta * w[:, None]),
+                    "bias": lambda w: ops.matmul(w[None, :], delta)[0]}
+            return [sums[part](w) for part, w in zip(self._parts(layer), weights)]
         a, d = _flat(inputs, delta)
         out = []
         for part, w in zip(self._parts(layer), weights):
