@@ -185,10 +185,12 @@ def test_norms_gram_and_weighted_sums_match_the_materialized_path(name, caplog):
     assert "materialized path" not in caplog.text, caplog.text  # the statistics path ran
     grads = pergrad.per_example_gradients(model, problem.x, problem.y, problem.sample_weight)
     expected = ExampleStatistics.from_gradients(grads, gram=True)
-    np.testing.assert_allclose(oracle.to_numpy(stats.squared_norms), oracle.to_numpy(expected.squared_norms),
-                               rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(oracle.to_numpy(stats.gram), oracle.to_numpy(expected.gram),
-                               rtol=RTOL, atol=ATOL)
+    for actual, reference in ((stats.squared_norms, expected.squared_norms), (stats.gram, expected.gram)):
+        reference = oracle.to_numpy(reference)
+        # float32 sums round relative to their largest terms: an entry next to much
+        # larger ones is compared at the matrix's scale.
+        scale = max(1.0, float(np.max(np.abs(reference))))
+        np.testing.assert_allclose(oracle.to_numpy(actual), reference, rtol=RTOL, atol=ATOL * scale)
 
     engine = PerExampleProblem(model, training=True)
     trainable, states = _values(model)

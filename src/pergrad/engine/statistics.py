@@ -261,20 +261,27 @@ def _log_fallback(problem, plan):
 
 
 def _capture(problem, plan, trainable_values, batched, shared, batch_size):
-    """The forward pass with probes and the one backward pass: ``(captured, deltas, aux)``."""
+    """The forward pass with probes and the one backward pass: ``(captured, deltas, aux, batched)``.
+
+    For a model that draws no random numbers and whose planned calls all have
+    rules, one batched forward pass (no vectorized map): ``B`` times the batch loss
+    Keras reduces is ``sum_i c_i L_i`` (the definition of ``L_i``), so its gradient
+    at the probes is every example's ``D``, as the vectorized pass gives it.
+    Otherwise each example runs alone (its own random stream; the fallback needs
+    each example's call as it was). ``batched`` says which: captured tensors and
+    deltas then have no batch-of-one axis.
+    """
     model = problem.model
+    whole_batch = not problem.seed_positions and not any(call.fallback for call in plan.calls)
 
     def probe_zeros(spec):
         shape, dtype = spec
-        return ops.zeros((batch_size,) + tuple(shape), dtype=dtype)
+        return ops.zeros((batch_size,) + tuple(shape[1:] if whole_batch else shape), dtype=dtype)
 
     probes = [[probe_zeros(spec) for spec in call.specs] for call in plan.calls]
     constants = [ops.stop_gradient(v) for v in trainable_values]
 
-    def example_loss(example, shared):
-        own_probes = example["probes"]
-        captured = [None] * len(plan.calls)
-
+    def intercepted(own_probes, captured):
         def handler(index, layer, original, args, kwargs):
             position = plan.by_index.get(index)
             if position is None:
@@ -291,7 +298,11 @@ def _capture(problem, plan, trainable_values, batched, shared, batch_size):
                       for leaf in leaves]
             return tree.pack_sequence_as(out, leaves)
 
-        with _Interceptor(model, handler):
+        return _Interceptor(model, handler)
+
+    def example_loss(example, shared):
+        captured = [None] * len(plan.calls)
+        with intercepted(example["probes"], captured):
             loss, aux = problem._example_loss(constants, example["example"], shared)
         aux["captured"] = captured
         return loss, aux
@@ -316,8 +327,24 @@ def _capture(problem, plan, trainable_values, batched, shared, batch_size):
         aux["loss"] = losses
         return weighted, aux
 
-    deltas, aux = _grad_with_aux(total, [p for group in probes for p in group])
-    return aux.pop("captured"), grouped(deltas), aux
+    def batch_total(probe_values):
+        captured = [None] * len(plan.calls)
+        with intercepted(grouped(probe_values), captured):
+            loss, y_pred, masks, _ = problem._loss(
+                constants, shared["non_trainable"], batched["x"], batched.get("y"),
+                batched.get("sample_weight"),
+            )
+        aux = {"y_pred": y_pred, "seeds": [], "captured": captured}
+        if masks:
+            aux["mask"] = masks[0]
+        factor = ops.cast(batch_size, "float32")
+        if shared.get("loss_scale") is not None:
+            factor = factor * ops.cast(shared["loss_scale"], "float32")
+        return ops.cast(loss, "float32") * factor, aux
+
+    deltas, aux = _grad_with_aux(batch_total if whole_batch else total,
+                                 [p for group in probes for p in group])
+    return aux.pop("captured"), grouped(deltas), aux, whole_batch
 
 
 def _has_convolutions(model) -> bool:
@@ -346,7 +373,9 @@ def _example_scale(problem, aux, batch_size):
 
 
 def _finish_aux(problem, aux, non_trainable, batch_size):
-    out = {"loss": aux["loss"] * ops.cast(aux["example_scale"], aux["loss"].dtype), "y_pred": aux["y_pred"]}
+    out = {"y_pred": aux["y_pred"]}
+    if "loss" in aux:  # (not from a whole-batch pass; the step does not read it)
+        out["loss"] = aux["loss"] * ops.cast(aux["example_scale"], aux["loss"].dtype)
     if "mask" in aux:
         out["mask"] = aux["mask"]
     out["seeds"] = [
@@ -358,7 +387,7 @@ def _finish_aux(problem, aux, non_trainable, batch_size):
 class _Layers:
     """Every planned call's ``A`` and ``D``, and the statistics made from them."""
 
-    def __init__(self, plan, captured, deltas, values, variables, inverse_scale):
+    def __init__(self, plan, captured, deltas, values, variables, inverse_scale, whole_batch=False):
         self.plan, self.values_of = plan, dict(zip(map(id, variables), values))
         self.index_of = {id(v): k for k, v in enumerate(variables)}
         self.count = len(variables)
@@ -368,8 +397,9 @@ class _Layers:
                 self.inputs.append(inputs)
                 self.deltas.append(delta)  # raw (scaled, compute dtype): the layer's own vjp
             else:
-                self.inputs.append(_float32(ops.squeeze(inputs, 1)))
-                delta = _float32(ops.squeeze(delta[0], 1))
+                # The vectorized pass saw each example as a batch of one.
+                self.inputs.append(_float32(inputs if whole_batch else ops.squeeze(inputs, 1)))
+                delta = _float32(delta[0] if whole_batch else ops.squeeze(delta[0], 1))
                 self.deltas.append(delta if inverse_scale is None else delta * inverse_scale)
         self.inverse_scale = inverse_scale
         uses = {}
@@ -549,9 +579,11 @@ def _layers(problem, trainable_values, batched, shared, batch_size, inverse):
     """Plan, forward and backward pass: the :class:`_Layers` of this batch, and ``aux``."""
     plan = _cached_plan(problem, trainable_values, batched, shared)
     _log_fallback(problem, plan)
-    captured, deltas, aux = _capture(problem, plan, trainable_values, batched, shared, batch_size)
+    captured, deltas, aux, whole_batch = _capture(problem, plan, trainable_values, batched, shared,
+                                                  batch_size)
     variables = problem.model.trainable_variables
-    return _Layers(plan, captured, deltas, list(trainable_values), variables, inverse), aux
+    layers = _Layers(plan, captured, deltas, list(trainable_values), variables, inverse, whole_batch)
+    return layers, aux
 
 
 def _context(problem, trainable_values, non_trainable):
