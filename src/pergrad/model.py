@@ -172,6 +172,10 @@ class PerExampleModel(_TrainStep, keras.Model):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        # Registers DPGaussian for keras.saving: pergrad.privacy is imported on use
+        # (never by `import pergrad`, so that pergrad.aggregators does not import it).
+        import pergrad.privacy  # noqa: F401
+
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects)
         aggregator = keras.saving.deserialize_keras_object(config.pop("aggregator"), custom_objects)
