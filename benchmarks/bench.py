@@ -591,7 +591,7 @@ class Skipped(Exception):
 
 
 #: recipes whose train step aggregates with RECIPE_AGGREGATE (hand-written keras.ops)
-HAND_AGGREGATED = ("jacobian", "vmap", "proto", "ghost")
+HAND_AGGREGATED = ("jacobian", "vmap", "proto")
 #: the Opacus anchor: torch-native equivalents of these model kinds only
 OPACUS_KINDS = ("mlp", "cnn")
 
@@ -644,10 +644,6 @@ def make_variant(name: str, kind: str):
             import prototypes
 
             model = prototypes.prototype_model(inner, aggregation)
-        elif recipe == "ghost":  # the layer-rule ceiling, Dense-only (benchmarks/prototypes.py)
-            import prototypes
-
-            model = prototypes.ghost_model(inner, aggregation)
         else:
             model = Recipe(inner, recipe, aggregation)
     model.compile(optimizer=new_optimizer(), loss=new_loss())
@@ -1029,8 +1025,8 @@ def main(argv=None):
     parser.add_argument("--aggregations", default=",".join(AGGREGATIONS))
     parser.add_argument("--recipes", default=",".join(default_recipes()),
                         help="jacobian, vmap, pergrad, pergrad-mat and pergrad-stats (where "
-                        "PerExampleModel has path=), opacus (torch, if installed); proto and "
-                        "ghost: benchmarks/prototypes.py (default %(default)s)")
+                        "PerExampleModel has path=), opacus (torch, if installed); proto "
+                        "(median): benchmarks/prototypes.py (default %(default)s)")
     parser.add_argument("--variants", default=None,
                         help="explicit comma list of variants, e.g. 'plain,vmap clip,pergrad clip'")
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default 7, quick 2)")

@@ -115,7 +115,8 @@ def transformer():
     """Embedding, MultiHeadAttention (EinsumDense), LayerNormalization, Dense on sequences."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,), dtype="int32")
-    hidden = layers.Embedding(9, 4)(inputs)
+    # Two tables: T^2 = 25 > 9 forms the per-example table, 25 <= 40 takes token pairs.
+    hidden = layers.Embedding(9, 4)(inputs) + layers.Embedding(40, 4)(inputs)
     attended = layers.MultiHeadAttention(2, 2)(hidden, hidden)
     hidden = layers.LayerNormalization()(hidden + attended)
     hidden = layers.Dense(6, activation="relu")(hidden)
@@ -313,3 +314,24 @@ def test_the_path_can_be_forced_and_a_model_the_statistics_path_cannot_train_is_
         pergrad.PerExampleModel(problems.make("dense_mlp").model, "mean", path="materialized").get_config()
     )
     assert restored.engine_path == "materialized"
+
+
+@pytest.mark.parametrize("rule", ["clip", "krum"])
+def test_mixed_precision_with_loss_scaling_trains_as_on_the_materialized_path(rule):
+    """float16 probes and layer inputs; statistics in float32, the loss scale removed from D.
+    (conftest restores the float32 policy afterwards.)"""
+    keras.config.set_dtype_policy("mixed_float16")
+    results = []
+    for path in ("materialized", "statistics"):
+        problem = problems.make("dense_mlp")
+        wrapper = pergrad.PerExampleModel(problem.model, RULES[rule](), path=path)
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.3))
+        problem.compile(wrapper, optimizer=optimizer)
+        wrapper.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=B,
+                    epochs=2, shuffle=False, verbose=0)
+        results.append(wrapper)
+    assert results[1].model.layers[-1].compute_dtype == "float16"
+    for attribute in ("dynamic_scale", "iterations"):
+        values = [ops.convert_to_numpy(getattr(m.optimizer, attribute)) for m in results]
+        np.testing.assert_array_equal(*values, err_msg=attribute)
+    oracle.assert_weights_close(results[1].model, results[0].model, atol=2e-3, rtol=2e-3)

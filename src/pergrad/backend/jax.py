@@ -57,7 +57,8 @@ def set_random_state(state):
     del state
 
 
-def vectorized_call(fn, batched, shared):
+def vectorized_call(fn, batched, shared, layout_hints=True):
+    del layout_hints  # torch's concern
     """``fn(example, shared)`` for every example at once (``jax.vmap``)."""
     return jax.vmap(lambda example: fn(example, shared))(batched)
 

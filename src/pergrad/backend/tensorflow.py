@@ -213,7 +213,8 @@ def set_random_state(state):
     del state
 
 
-def vectorized_call(fn, batched, shared):
+def vectorized_call(fn, batched, shared, layout_hints=True):
+    del layout_hints  # torch's concern
     """``fn(example, shared)`` for every example at once (``tf.vectorized_map``)."""
     return tf.vectorized_map(lambda example: fn(example, shared), batched, fallback_to_while_loop=True)
 

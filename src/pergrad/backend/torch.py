@@ -116,10 +116,17 @@ def set_random_state(state):
         torch.cuda.set_rng_state_all(state[1])
 
 
-def vectorized_call(fn, batched, shared):
-    """``fn(example, shared)`` for every example at once (``torch.func.vmap``)."""
+def vectorized_call(fn, batched, shared, layout_hints=True):
+    """``fn(example, shared)`` for every example at once (``torch.func.vmap``).
+
+    ``layout_hints=False`` (no convolution in the model) skips the function mode
+    that answers memory-layout requests: it costs a Python call per torch call.
+    """
+    vectorized = torch.func.vmap(lambda example: fn(example, shared), randomness="different")
+    if not layout_hints:
+        return vectorized(batched)
     with _IgnoreMemoryLayout():
-        return torch.func.vmap(lambda example: fn(example, shared), randomness="different")(batched)
+        return vectorized(batched)
 
 
 def grad_with_aux(fn, params):

@@ -299,7 +299,8 @@ def _capture(problem, plan, trainable_values, batched, shared, batch_size):
 
     def total(probe_values):
         losses, aux = adapter().vectorized_call(
-            example_loss, {"example": batched, "probes": grouped(probe_values)}, shared
+            example_loss, {"example": batched, "probes": grouped(probe_values)}, shared,
+            layout_hints=_has_convolutions(model),
         )
         scale = _example_scale(problem, aux, batch_size)
         aux["example_scale"] = scale
@@ -309,6 +310,13 @@ def _capture(problem, plan, trainable_values, batched, shared, batch_size):
 
     deltas, aux = _grad_with_aux(total, [p for group in probes for p in group])
     return aux.pop("captured"), grouped(deltas), aux
+
+
+def _has_convolutions(model) -> bool:
+    """Whether torch's convolutions will ask for memory layouts (``backend.torch``)."""
+    kinds = ("Conv", "Pooling")
+    return any(any(k in type(layer).__name__ for k in kinds)
+               for layer in compat.flatten_layers(model, include_self=False))
 
 
 def _grad_with_aux(fn, params):
@@ -411,16 +419,28 @@ class _Layers:
                 sums[k] = rows if k not in sums else sums[k] + rows
         return sums
 
-    def squared_norms(self, batch_size):
-        columns = [None] * self.count
+    def _per_call(self, statistic, from_rows, arguments=lambda call: ()):
+        """``(call, value)`` for every call with no shared variable: the rule's ``statistic``
+        (a ghost formula), or ``from_rows`` of the call's per-example gradient rows; both
+        also get ``arguments(call)``."""
         for position, call in enumerate(self.plan.calls):
             if self.shared[position]:
                 continue
+            extra = arguments(call)
             if self._ghost(position):
-                norms = call.rule.squared_norms(call.layer, self._values(call), self.inputs[position],
-                                                self.deltas[position])
+                value = getattr(call.rule, statistic)(
+                    call.layer, self._values(call), self.inputs[position], self.deltas[position], *extra
+                )
             else:
-                norms = [ops.sum(ops.square(_rows32(g)), axis=1) for g in self._per_example(position)]
+                value = from_rows([_rows32(g) for g in self._per_example(position)], *extra)
+            yield call, value
+
+    def squared_norms(self, batch_size):
+        columns = [None] * self.count
+        def from_rows(rows):
+            return [ops.sum(r * r, axis=1) for r in rows]
+
+        for call, norms in self._per_call("squared_norms", from_rows):
             for v, n in zip(call.variables, norms):
                 columns[self.index_of[id(v)]] = n
         for k, rows in self._shared_variables().items():
@@ -430,15 +450,10 @@ class _Layers:
 
     def gram(self, batch_size):
         total = ops.zeros((batch_size, batch_size), "float32")
-        for position, call in enumerate(self.plan.calls):
-            if self.shared[position]:
-                continue
-            if self._ghost(position):
-                part = call.rule.gram(call.layer, self._values(call), self.inputs[position],
-                                      self.deltas[position])
-            else:
-                rows = [_rows32(g) for g in self._per_example(position)]
-                part = sum(ops.matmul(r, ops.transpose(r)) for r in rows)
+        def from_rows(rows):
+            return sum(ops.matmul(r, ops.transpose(r)) for r in rows)
+
+        for _, part in self._per_call("gram", from_rows):
             total = total + ops.cast(part, "float32")
         for rows in self._shared_variables().values():
             total = total + ops.matmul(rows, ops.transpose(rows))
@@ -451,17 +466,12 @@ class _Layers:
             w = weights if len(weights.shape) == 1 else weights[:, self.index_of[id(v)]]
             return ops.cast(w, "float32")
 
+        def from_rows(rows, ws):
+            return [ops.matmul(w[None, :], r)[0] for r, w in zip(rows, ws)]
+
         out = [None] * self.count
-        for position, call in enumerate(self.plan.calls):
-            if self.shared[position]:
-                continue
-            ws = [weight(v) for v in call.variables]
-            if self._ghost(position):
-                sums = call.rule.weighted_sum(call.layer, self._values(call), self.inputs[position],
-                                              self.deltas[position], ws)
-            else:
-                grads = self._per_example(position)
-                sums = [ops.matmul(w[None, :], _rows32(g))[0] for g, w in zip(grads, ws)]
+        calls = self._per_call("weighted_sum", from_rows, lambda call: ([weight(v) for v in call.variables],))
+        for call, sums in calls:
             for v, s in zip(call.variables, sums):
                 out[self.index_of[id(v)]] = s
         for k, rows in self._shared_variables().items():
@@ -478,7 +488,8 @@ def _direct(problem, weights, trainable_values, batched, shared, batch_size):
 
     def total(values):
         losses, aux = adapter().vectorized_call(
-            lambda example, shared: problem._example_loss(values, example, shared), batched, shared
+            lambda example, shared: problem._example_loss(values, example, shared), batched, shared,
+            layout_hints=_has_convolutions(problem.model),
         )
         scale = _example_scale(problem, aux, batch_size)
         aux["example_scale"], aux["loss"] = scale, losses

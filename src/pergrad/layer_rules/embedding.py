@@ -32,12 +32,16 @@ class EmbeddingRule(OutputRule):
         )
 
     def materializes(self, layer, inputs, delta) -> bool:
-        return False
+        return False  # norms and weighted sums: token pairs and a segment sum, always
 
     def per_example(self, layer, values, inputs, delta) -> list:
         ids, d = _flat(inputs, delta)
-        onehot = ops.one_hot(ids, layer.input_dim, dtype=d.dtype)
-        return [ops.einsum("btv,bto->bvo", onehot, d)]
+        batch, vocab = ops.shape(d)[0], layer.input_dim
+        # Example b's rows of the table: one segment sum over (b, id) pairs, B x T x d adds.
+        segments = ops.reshape(ids + ops.arange(batch, dtype="int32")[:, None] * vocab, (-1,))
+        rows = ops.reshape(d, (-1, ops.shape(d)[-1]))
+        table = ops.segment_sum(rows, segments, num_segments=batch * vocab)
+        return [ops.reshape(table, (batch, vocab, ops.shape(d)[-1]))]
 
     def squared_norms(self, layer, values, inputs, delta) -> list:
         ids, d = _flat(inputs, delta)
@@ -46,6 +50,10 @@ class EmbeddingRule(OutputRule):
 
     def gram(self, layer, values, inputs, delta):
         ids, d = _flat(inputs, delta)
+        positions = ids.shape[1]
+        if positions is None or positions * positions > layer.input_dim:
+            # Token pairs of two examples cost B^2 T^2 d, the per-example tables B^2 vocab d.
+            return super().gram(layer, values, inputs, delta)
         same = ops.cast(ops.equal(ids[:, None, :, None], ids[None, :, None, :]), d.dtype)
         return ops.sum(same * ops.einsum("ato,bso->abts", d, d), axis=(2, 3))
 
