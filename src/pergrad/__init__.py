@@ -1,5 +1,7 @@
 """pergrad: per-example gradients and custom aggregation inside Keras 3 ``fit()``."""
 
+import importlib
+
 from pergrad import aggregators, layer_rules
 from pergrad.engine import per_example_gradients
 from pergrad.engine.statistics import per_example_statistics
@@ -11,5 +13,14 @@ __all__ = [
     "layer_rules",
     "per_example_gradients",
     "per_example_statistics",
+    "privacy",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # PEP 562: `pergrad.privacy` is imported on first use (it builds on
+    # pergrad.aggregators, which must not import it in turn).
+    if name == "privacy":
+        return importlib.import_module("pergrad.privacy")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

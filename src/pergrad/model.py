@@ -6,21 +6,17 @@ import keras
 from keras import ops, tree
 
 from pergrad import aggregators as aggregators_module
-from pergrad import compat
-from pergrad.aggregators.base import check_result, zero_non_finite_examples
+from pergrad import compat, step, trainers
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
-from pergrad.engine import PerExampleProblem, check_model, chunked, mean_reduced, statistics
+from pergrad.engine import PerExampleProblem, check_model, chunked, mean_reduced
 
-_BACKEND = keras.backend.backend()
-
-
-def _all_finite(gradients):
-    return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in gradients]))
+# JAX's stateless train_step(state, data) or TF's and torch's train_step(data).
+_TrainStep = trainers.for_backend(keras.backend.backend())
 
 
 @keras.saving.register_keras_serializable(package="pergrad")
-class PerExampleModel(keras.Model):
+class PerExampleModel(_TrainStep, keras.Model):
     """Wraps a Keras model so that ``fit()`` combines per-example gradients.
 
     Each training step computes every example's gradient ``g_i`` of its own loss
@@ -176,6 +172,10 @@ class PerExampleModel(keras.Model):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        # Registers DPGaussian for keras.saving: pergrad.privacy is imported on use
+        # (never by `import pergrad`, so that pergrad.aggregators does not import it).
+        import pergrad.privacy  # noqa: F401
+
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects)
         aggregator = keras.saving.deserialize_keras_object(config.pop("aggregator"), custom_objects)
@@ -212,98 +212,11 @@ class PerExampleModel(keras.Model):
             self.__dict__["_problem_cache"] = (compile_loss, problem)
         return self.__dict__["_problem_cache"][1]
 
-    def _loss_scale(self):
-        optimizer = self.optimizer
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            if not optimizer.built:  # TF's fit() builds it lazily, in the first step
-                optimizer.build(self.model.trainable_variables)
-            return optimizer.dynamic_scale
-        return None
-
     def _aggregated_gradients(self, trainable_values, non_trainable_values, x, y, sample_weight):
-        """Returns ``(gradients, y_pred, new_seed_states)`` for one batch.
-
-        Pure in the variable values; the aggregator may assign its own state
-        (the JAX step runs it inside a ``StatelessScope``).
-        """
-        problem = self._problem()
-        loss_scale = self._loss_scale()
-        variables = self.model.trainable_variables
-        private = getattr(self.aggregator, "differentially_private", False)
-        per_example, result = None, None
-        if self._takes_statistics_path():
-            try:
-                result, aux = statistics.aggregate(
-                    problem, self.aggregator, trainable_values, non_trainable_values,
-                    x, y, sample_weight, loss_scale=loss_scale,
-                )
-            except statistics.Unsupported as error:
-                if self.engine_path == "statistics":
-                    raise ValueError(
-                        f"The statistics path cannot train model {self.model.name!r}: {error}. "
-                        "Use path='auto' (it then takes the materialized path) or 'materialized'."
-                    ) from error
-                self._log_materialized(str(error))
-        if result is not None:
-            pass
-        elif self.microbatch_size is not None and chunked.supports(self.aggregator):
-            # Accumulated chunk by chunk: no (B, ...) per-example tensor exists. A DP
-            # rule's non-finite examples are zeroed in every chunk.
-            result, aux = chunked.aggregate(
-                problem, self.aggregator, trainable_values, non_trainable_values,
-                x, y, sample_weight, self.microbatch_size, loss_scale=loss_scale,
-            )
-        else:
-            per_example, aux = problem.compute(
-                trainable_values,
-                non_trainable_values,
-                x,
-                y,
-                sample_weight,
-                self.microbatch_size,
-                loss_scale=loss_scale,
-            )
-            if private:
-                per_example = zero_non_finite_examples(per_example)
-            result = self.aggregator(per_example)
-        if private and "mask" in aux:
-            from pergrad.privacy.dp_sgd import refuse_masked_output
-
-            refuse_masked_output()
-        result = check_result(result, variables, self.aggregator.name)
-        self.__dict__["_pending_reports"] = self.aggregator.pop_reports()
-        _, regularization = problem.regularization(trainable_values)
-        if regularization is not None:
-            result = [g + ops.cast(r, g.dtype) for g, r in zip(result, regularization)]
-        nan = ops.convert_to_tensor(float("nan"))
-        # A weighted sum of per-example gradients is already non-finite when one
-        # of them is (0 * inf is NaN), so only other kinds need the check, which
-        # reads every per-example gradient. For a DP rule the non-finite examples
-        # were zeroed above: a NaN update would reveal, without noise, that one was
-        # in the batch.
-        if self.aggregator.kind != aggregators_module.STATISTICS and not private:
-            finite = _all_finite(per_example)
-            result = [ops.where(finite, g, ops.cast(nan, g.dtype)) for g in result]
-        if loss_scale is not None:  # LossScaleOptimizer expects scaled gradients
-            result = [g * ops.cast(loss_scale, g.dtype) for g in result]
-        y_pred = aux["y_pred"]
-        if "mask" in aux:
-            compat.set_mask(tree.flatten(y_pred)[0], aux["mask"])
-        return result, y_pred, aux["seeds"]
-
-    def _takes_statistics_path(self) -> bool:
-        if self.engine_path == "materialized" or not chunked.supports(self.aggregator):
-            return False
-        return self.engine_path == "statistics" or self.microbatch_size is None
-
-    def _log_materialized(self, reason: str) -> None:
-        logged = self.__dict__.setdefault("_logged_reasons", set())
-        if reason not in logged:
-            logged.add(reason)
-            statistics.LOGGER.warning(
-                "pergrad: model %r takes the materialized path (every per-example gradient): %s.",
-                self.model.name, reason,
-            )
+        """Returns ``(gradients, y_pred, new_seed_states)`` for one batch (``pergrad.step``)."""
+        return step.aggregated_gradients(
+            self, trainable_values, non_trainable_values, x, y, sample_weight
+        )
 
     def _check_batch(self, x, y):
         """Checks the batch; returns ``x``, on TF made to depend on the run-time check."""
@@ -326,72 +239,6 @@ class PerExampleModel(keras.Model):
             )
         return x
 
-    if _BACKEND == "jax":
-
-        def train_step(self, state, data):
-            trainable, non_trainable, optimizer_variables, metrics_variables = state
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            # Keras's JAX fit() empties the variables: the check's forward pass reads
-            # the values of the state instead (and any assignment is dropped).
-            values = list(zip(self.trainable_variables, trainable))
-            values += list(zip(self.non_trainable_variables, non_trainable))
-            with keras.StatelessScope(state_mapping=values):
-                self._check_batch(x, y)
-            inner = self._inner_non_trainable_positions()
-            mapping = list(zip(self.non_trainable_variables, non_trainable))
-            # The optimizer's too: a LossScaleOptimizer's scale is read from its state.
-            mapping += list(zip(self.optimizer.variables, optimizer_variables))
-            with keras.StatelessScope(state_mapping=mapping) as scope:
-                grads, y_pred, seeds = self._aggregated_gradients(
-                    trainable, [non_trainable[i] for i in inner], x, y, sample_weight
-                )
-            non_trainable = [
-                scope.get_current_value(v) if scope.get_current_value(v) is not None else value
-                for v, value in zip(self.non_trainable_variables, non_trainable)
-            ]
-            for position, state_value in zip(self._problem().seed_positions, seeds):
-                non_trainable[inner[position]] = state_value
-            loss, (_, non_trainable, metrics_variables) = self.stateless_compute_loss(
-                trainable,
-                non_trainable,
-                metrics_variables,
-                x=x,
-                y=y,
-                y_pred=y_pred,
-                sample_weight=sample_weight,
-                training=True,
-            )
-            trainable, optimizer_variables = self.optimizer.stateless_apply(
-                optimizer_variables, grads, trainable
-            )
-            logs, metrics_variables = compat.update_metrics_variables(
-                self, metrics_variables, loss, x, y, y_pred, sample_weight
-            )
-            return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
-
-    else:
-
-        def train_step(self, data):
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            x = self._check_batch(x, y)
-            variables = self.model.non_trainable_variables
-            grads, y_pred, seeds = self._aggregated_gradients(
-                [v.value for v in self.model.trainable_variables],
-                [v.value for v in variables],
-                x,
-                y,
-                sample_weight,
-            )
-            for position, state_value in zip(self._problem().seed_positions, seeds):
-                variables[position].assign(state_value)
-            # The logged loss is the one plain Keras reports for this batch
-            # (before the update, with the same predictions).
-            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
-            compat.loss_tracker(self).update_state(loss, sample_weight=ops.shape(tree.flatten(x)[0])[0])
-            with adapter().no_grad(after=x):  # after the batch check (TF graphs)
-                self.optimizer.apply(grads, self.model.trainable_variables)
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
     def fit(self, x=None, y=None, *args, **kwargs):
         from pergrad.privacy.sampling import PoissonSampler
 
@@ -409,7 +256,3 @@ class PerExampleModel(keras.Model):
             else:
                 kwargs["callbacks"] = x.with_step_callback(callbacks)
         return super().fit(x, y, *args, **kwargs)
-
-    def _inner_non_trainable_positions(self) -> list[int]:
-        ids = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
-        return [ids[id(v)] for v in self.model.non_trainable_variables]

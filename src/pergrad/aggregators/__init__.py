@@ -1,4 +1,11 @@
-"""Aggregators: per-example gradients in, one gradient out (``keras.ops`` only)."""
+"""Aggregators: per-example gradients in, one gradient out (``keras.ops`` only).
+
+``dp_gaussian`` and ``DPGaussian`` live in ``pergrad.privacy`` (which builds on
+``pergrad.aggregators.base``) and are imported from there on first use, so that
+importing this package does not import ``pergrad.privacy``.
+"""
+
+import importlib
 
 from pergrad.aggregators.base import (
     ARBITRARY,
@@ -36,10 +43,16 @@ from pergrad.aggregators.robust import (
     norm_filter,
     sign_majority,
 )
-from pergrad.privacy.dp_sgd import (
-    DPGaussian,
-    dp_gaussian,
-)
+
+_FROM_PRIVACY = ("DPGaussian", "dp_gaussian")
+
+
+def __getattr__(name):
+    # PEP 562: resolved on first access, by when pergrad.aggregators is fully imported.
+    if name in _FROM_PRIVACY:
+        return getattr(importlib.import_module("pergrad.privacy.dp_sgd"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ARBITRARY",

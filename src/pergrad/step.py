@@ -1,0 +1,149 @@
+"""The per-example training step, written once for every backend (``keras.ops`` only).
+
+``aggregated_gradients`` turns one batch into the gradients the optimizer
+applies: it picks the engine path (statistics, chunked or materialized), runs
+the aggregator, adds the regularizers' gradients and applies the non-finite
+rule and the loss scale. The backend-specific ``train_step`` glue that calls it
+lives in ``pergrad.trainers``.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops, tree
+
+from pergrad import compat
+from pergrad.aggregators.base import STATISTICS, check_result, zero_non_finite_examples
+from pergrad.engine import chunked, statistics
+
+#: The paths ``engine_path`` chooses between.
+STATISTICS_PATH, CHUNKED_PATH, MATERIALIZED_PATH = "statistics", "chunked", "materialized"
+
+
+def engine_path(aggregator, path: str, microbatch_size: int | None) -> str:
+    """The engine path a step tries first, given ``PerExampleModel``'s settings.
+
+    Args:
+        aggregator: the model's aggregator.
+        path: ``PerExampleModel``'s ``path=`` (``"auto"``, ``"statistics"``,
+            ``"materialized"``).
+        microbatch_size: ``PerExampleModel``'s ``microbatch_size``.
+
+    Returns:
+        ``"statistics"`` (the model may still need the materialized path, found
+        out when the step is traced), ``"chunked"`` or ``"materialized"``.
+    """
+    supported = chunked.supports(aggregator)
+    if path != MATERIALIZED_PATH and supported and (
+        path == STATISTICS_PATH or microbatch_size is None
+    ):
+        return STATISTICS_PATH
+    if microbatch_size is not None and supported:
+        return CHUNKED_PATH
+    return MATERIALIZED_PATH
+
+
+def loss_scale(optimizer, variables):
+    """A ``LossScaleOptimizer``'s current scale (built on first use), else ``None``."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if not optimizer.built:  # TF's fit() builds it lazily, in the first step
+            optimizer.build(variables)
+        return optimizer.dynamic_scale
+    return None
+
+
+def all_finite(gradients):
+    """A scalar boolean: every entry of every tensor in ``gradients`` is finite."""
+    return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in gradients]))
+
+
+def log_materialized(wrapper, reason: str) -> None:
+    """Logs, once per model and reason, that ``path='auto'`` fell back to the materialized path."""
+    logged = wrapper.__dict__.setdefault("_logged_reasons", set())
+    if reason not in logged:
+        logged.add(reason)
+        statistics.LOGGER.warning(
+            "pergrad: model %r takes the materialized path (every per-example gradient): %s.",
+            wrapper.model.name, reason,
+        )
+
+
+def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, sample_weight):
+    """Returns ``(gradients, y_pred, new_seed_states)`` for one batch.
+
+    Pure in the variable values; the aggregator may assign its own state
+    (the JAX step runs it inside a ``StatelessScope``).
+
+    Args:
+        wrapper: the ``PerExampleModel`` (its wrapped model, aggregator, engine
+            path, microbatch size, optimizer and compiled per-example problem).
+        trainable_values: values of the wrapped model's trainable variables.
+        non_trainable_values: values of its non-trainable variables.
+        x: the batch's inputs.
+        y: its targets.
+        sample_weight: its sample weights, or ``None``.
+    """
+    problem = wrapper._problem()
+    aggregator = wrapper.aggregator
+    scale = loss_scale(wrapper.optimizer, wrapper.model.trainable_variables)
+    private = getattr(aggregator, "differentially_private", False)
+    path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
+    per_example = None
+    if path == STATISTICS_PATH:
+        try:
+            result, aux = statistics.aggregate(
+                problem, aggregator, trainable_values, non_trainable_values,
+                x, y, sample_weight, loss_scale=scale,
+            )
+        except statistics.Unsupported as error:
+            if wrapper.engine_path == STATISTICS_PATH:
+                raise ValueError(
+                    f"The statistics path cannot train model {wrapper.model.name!r}: {error}. "
+                    "Use path='auto' (it then takes the materialized path) or 'materialized'."
+                ) from error
+            log_materialized(wrapper, str(error))
+            path = MATERIALIZED_PATH  # 'auto' takes the statistics path only without microbatches
+    if path == CHUNKED_PATH:
+        # Accumulated chunk by chunk: no (B, ...) per-example tensor exists. A DP
+        # rule's non-finite examples are zeroed in every chunk.
+        result, aux = chunked.aggregate(
+            problem, aggregator, trainable_values, non_trainable_values,
+            x, y, sample_weight, wrapper.microbatch_size, loss_scale=scale,
+        )
+    elif path == MATERIALIZED_PATH:
+        per_example, aux = problem.compute(
+            trainable_values,
+            non_trainable_values,
+            x,
+            y,
+            sample_weight,
+            wrapper.microbatch_size,
+            loss_scale=scale,
+        )
+        if private:
+            per_example = zero_non_finite_examples(per_example)
+        result = aggregator(per_example)
+    if private and "mask" in aux:
+        from pergrad.privacy.dp_sgd import refuse_masked_output
+
+        refuse_masked_output()
+    result = check_result(result, wrapper.model.trainable_variables, aggregator.name)
+    wrapper.__dict__["_pending_reports"] = aggregator.pop_reports()
+    _, regularization = problem.regularization(trainable_values)
+    if regularization is not None:
+        result = [g + ops.cast(r, g.dtype) for g, r in zip(result, regularization)]
+    nan = ops.convert_to_tensor(float("nan"))
+    # A weighted sum of per-example gradients is already non-finite when one
+    # of them is (0 * inf is NaN), so only other kinds need the check, which
+    # reads every per-example gradient. For a DP rule the non-finite examples
+    # were zeroed above: a NaN update would reveal, without noise, that one was
+    # in the batch.
+    if aggregator.kind != STATISTICS and not private:
+        finite = all_finite(per_example)
+        result = [ops.where(finite, g, ops.cast(nan, g.dtype)) for g in result]
+    if scale is not None:  # LossScaleOptimizer expects scaled gradients
+        result = [g * ops.cast(scale, g.dtype) for g in result]
+    y_pred = aux["y_pred"]
+    if "mask" in aux:
+        compat.set_mask(tree.flatten(y_pred)[0], aux["mask"])
+    return result, y_pred, aux["seeds"]

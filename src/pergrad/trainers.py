@@ -1,0 +1,97 @@
+"""``train_step`` glue of ``PerExampleModel``, one mixin per kind of Keras trainer.
+
+Keras picks a trainer base class per backend (``keras/src/backend/<name>/trainer.py``):
+JAX's ``train_step(state, data)`` is stateless (variable values go in and out),
+TensorFlow's and torch's ``train_step(data)`` assign variables. Each mixin calls
+the backend-neutral step (``PerExampleModel._aggregated_gradients``, i.e.
+``pergrad.step.aggregated_gradients``) and hands its gradients to the optimizer
+the way its trainer expects. ``keras`` only: no backend is imported here.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops, tree
+
+from pergrad import compat
+from pergrad.backend import adapter
+
+
+class StatelessTrainStep:
+    """JAX: ``train_step(state, data)`` over the state's arrays."""
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        # Keras's JAX fit() empties the variables: the check's forward pass reads
+        # the values of the state instead (and any assignment is dropped).
+        values = list(zip(self.trainable_variables, trainable))
+        values += list(zip(self.non_trainable_variables, non_trainable))
+        with keras.StatelessScope(state_mapping=values):
+            self._check_batch(x, y)
+        inner = self._inner_non_trainable_positions()
+        mapping = list(zip(self.non_trainable_variables, non_trainable))
+        # The optimizer's too: a LossScaleOptimizer's scale is read from its state.
+        mapping += list(zip(self.optimizer.variables, optimizer_variables))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            grads, y_pred, seeds = self._aggregated_gradients(
+                trainable, [non_trainable[i] for i in inner], x, y, sample_weight
+            )
+        non_trainable = [
+            scope.get_current_value(v) if scope.get_current_value(v) is not None else value
+            for v, value in zip(self.non_trainable_variables, non_trainable)
+        ]
+        for position, state_value in zip(self._problem().seed_positions, seeds):
+            non_trainable[inner[position]] = state_value
+        loss, (_, non_trainable, metrics_variables) = self.stateless_compute_loss(
+            trainable,
+            non_trainable,
+            metrics_variables,
+            x=x,
+            y=y,
+            y_pred=y_pred,
+            sample_weight=sample_weight,
+            training=True,
+        )
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable
+        )
+        logs, metrics_variables = compat.update_metrics_variables(
+            self, metrics_variables, loss, x, y, y_pred, sample_weight
+        )
+        return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+    def _inner_non_trainable_positions(self) -> list[int]:
+        """Positions of the wrapped model's non-trainable variables among the wrapper's."""
+        ids = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
+        return [ids[id(v)] for v in self.model.non_trainable_variables]
+
+
+class StatefulTrainStep:
+    """TensorFlow and torch: ``train_step(data)`` that assigns the variables."""
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x = self._check_batch(x, y)
+        variables = self.model.non_trainable_variables
+        grads, y_pred, seeds = self._aggregated_gradients(
+            [v.value for v in self.model.trainable_variables],
+            [v.value for v in variables],
+            x,
+            y,
+            sample_weight,
+        )
+        for position, state_value in zip(self._problem().seed_positions, seeds):
+            variables[position].assign(state_value)
+        # The logged loss is the one plain Keras reports for this batch
+        # (before the update, with the same predictions).
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        compat.loss_tracker(self).update_state(loss, sample_weight=ops.shape(tree.flatten(x)[0])[0])
+        with adapter().no_grad(after=x):  # after the batch check (TF graphs)
+            self.optimizer.apply(grads, self.model.trainable_variables)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def for_backend(name: str) -> type:
+    """The mixin that implements ``train_step`` for Keras backend ``name``."""
+    return StatelessTrainStep if name == "jax" else StatefulTrainStep
