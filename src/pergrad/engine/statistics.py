@@ -81,12 +81,15 @@ class _Call:
 
 
 class Plan:
-    """What the dry run found: the planned calls, in call order."""
+    """What the dry run found: the planned calls, in call order, and whether the
+    forward pass draws random numbers (reads a seed state: a ``Dropout`` with rate 0
+    does not)."""
 
-    def __init__(self, calls, fallback_names):
+    def __init__(self, calls, fallback_names, draws_random):
         self.calls = calls
         self.by_index = {call.index: position for position, call in enumerate(calls)}
         self.fallback_names = fallback_names
+        self.draws_random = draws_random
 
 
 class _Interceptor:
@@ -225,7 +228,8 @@ def make_plan(problem, trainable_values, batched, shared) -> Plan:
             rule, variables = _FALLBACK, reads
             fallback_names.append(layer.name)
         calls.append(_Call(record["index"], layer, rule, variables, record["specs"], record["arguments"]))
-    return Plan(calls, fallback_names)
+    every_read = root_reads + [v for record in records for v in record["reads"]]
+    return Plan(calls, fallback_names, any(compat.is_seed_state(v) for v in every_read))
 
 
 def _cached_plan(problem, trainable_values, batched, shared) -> Plan:
@@ -272,7 +276,7 @@ def _capture(problem, plan, trainable_values, batched, shared, batch_size):
     deltas then have no batch-of-one axis.
     """
     model = problem.model
-    whole_batch = not problem.seed_positions and not any(call.fallback for call in plan.calls)
+    whole_batch = not plan.draws_random and not any(call.fallback for call in plan.calls)
 
     def probe_zeros(spec):
         shape, dtype = spec
@@ -537,6 +541,16 @@ def _direct(problem, weights, trainable_values, batched, shared, batch_size):
     return _grad_with_aux(total, list(trainable_values))
 
 
+def _draws_random(problem, trainable_values, batched, shared) -> bool:
+    """Whether the forward pass reads a seed state (from the dry run's plan)."""
+    if not problem.seed_positions:
+        return False
+    try:
+        return _cached_plan(problem, trainable_values, batched, shared).draws_random
+    except Unsupported:
+        return True
+
+
 def _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, batched, loss_scale,
                          batch_size):
     """``mean`` and ``sum`` of a model that draws no random numbers: the gradient of the
@@ -611,7 +625,7 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     shared = {"non_trainable": non_trainable, "loss_scale": example_loss_scale}
     variables = problem.model.trainable_variables
     inverse = _unscale(example_loss_scale)
-    if type(aggregator) in (Mean, Sum) and not problem.seed_positions:
+    if type(aggregator) in (Mean, Sum) and not _draws_random(problem, trainable_values, batched, shared):
         return _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, batched,
                                     loss_scale, batch_size)
     if not aggregator.reads_statistics:
