@@ -161,6 +161,11 @@ class LayerRule:
         return out
 
 
+def context_values() -> list:
+    """The ``(variable, value)`` pairs of :func:`variable_values` (empty outside the engine)."""
+    return list(_CONTEXT[-1]) if _CONTEXT else []
+
+
 def per_example_vjp(function, variables, values, inputs, delta) -> list:
     """Example i's gradient of ``<function(inputs_i), delta_i>`` w.r.t. ``variables``.
 
@@ -173,8 +178,7 @@ def per_example_vjp(function, variables, values, inputs, delta) -> list:
 
     def example_loss(params, example, shared):
         del shared
-        context = _CONTEXT[-1] if _CONTEXT else []
-        with keras.StatelessScope(state_mapping=context + list(zip(variables, params))):
+        with keras.StatelessScope(state_mapping=context_values() + list(zip(variables, params))):
             output = function(example["inputs"])
         total = 0.0
         for out, d in zip(keras.tree.flatten(output), keras.tree.flatten(example["delta"])):
