@@ -279,10 +279,7 @@ def aggregate(
         "loss": out["loss"] * ops.cast(example_scale, out["loss"].dtype),
         "y_pred": out["y_pred"],
         # Every example advanced its own copy of each seed state by the same count.
-        "seeds": [
-            ops.stack([non_trainable[p][0], new[0][1]])
-            for p, new in zip(problem.seed_positions, out["seeds"])
-        ],
+        "seeds": problem.advanced_seeds(non_trainable, out["seeds"]),
     }
     if "mask" in out:
         aux["mask"] = out["mask"]

@@ -319,31 +319,45 @@ class PerExampleProblem:
             {"non_trainable": non_trainable_values, "loss_scale": loss_scale},
             microbatch_size,
         )
-        # L_i rescaled to the batch's normalization (docs/architecture.md,
-        # 'Per-example gradients'): a factor per
-        # example, constant in the parameters, so it can scale the gradient.
-        example_scale = None
-        if self.sum_reduction:
-            example_scale = ops.full((batch_size,), batch_size, dtype=aux["loss"].dtype)
-        if "valid" in aux:
-            valid = aux.pop("valid")
-            masked = ops.cast(batch_size, valid.dtype) * valid / ops.sum(valid)
-            example_scale = masked if example_scale is None else example_scale * masked
+        example_scale = self.example_scale(aux.pop("valid", None), batch_size)
         if example_scale is not None:
-            aux["loss"] = aux["loss"] * example_scale
+            aux["loss"] = aux["loss"] * ops.cast(example_scale, aux["loss"].dtype)
         grad_scale = example_scale
         if loss_scale is not None:
-            inverse = 1.0 / ops.cast(loss_scale, aux["loss"].dtype)
+            inverse = 1.0 / ops.cast(loss_scale, "float32")
             grad_scale = inverse if grad_scale is None else grad_scale * inverse
         if grad_scale is not None:
             grads = [_scale_examples(g, grad_scale) for g in grads]
-        # Every example advanced its own copy of each seed state by the same
-        # count; the model's state advances by that count too.
-        aux["seeds"] = [
-            ops.stack([non_trainable_values[p][0], new[0][1]])
-            for p, new in zip(self.seed_positions, aux["seeds"])
-        ]
+        aux["seeds"] = self.advanced_seeds(non_trainable_values, aux["seeds"])
         return grads, aux
+
+    def example_scale(self, valid, batch_size):
+        """``c_i``, example i's factor on ``L_i`` for the batch's normalization, or ``None`` (all 1).
+
+        ``L_i`` rescaled to the batch's normalization (docs/architecture.md,
+        'Per-example gradients'): ``B`` for a sum reduction, ``B valid_i / sum_j
+        valid_j`` for masks (``valid``: each example's unmasked steps). Constant in
+        the parameters, so it scales the gradient as well.
+        """
+        scale = None
+        if self.sum_reduction:
+            scale = ops.full((batch_size,), batch_size, dtype="float32")
+        if valid is not None:
+            valid = ops.cast(valid, "float32")
+            masked = ops.cast(batch_size, "float32") * valid / ops.sum(valid)
+            scale = masked if scale is None else scale * masked
+        return scale
+
+    def advanced_seeds(self, non_trainable_values, example_seeds):
+        """The model's seed states after a vectorized pass that returned ``example_seeds``.
+
+        Every example advanced its own copy of each seed state by the same count;
+        the model's state advances by that count too.
+        """
+        return [
+            ops.stack([non_trainable_values[p][0], new[0][1]])
+            for p, new in zip(self.seed_positions, example_seeds)
+        ]
 
     def batched_inputs(self, non_trainable_values, x, y=None, sample_weight=None, loss_scale=None,
                        padded_size=None):

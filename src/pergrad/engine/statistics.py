@@ -325,11 +325,7 @@ def _capture(problem, plan, trainable_values, batched, shared, batch_size):
             example_loss, {"example": batched, "probes": grouped(probe_values)}, shared,
             layout_hints=_has_convolutions(model),
         )
-        scale = _example_scale(problem, aux, batch_size)
-        aux["example_scale"] = scale
-        weighted = ops.sum(ops.cast(ops.stop_gradient(scale), "float32") * ops.cast(losses, "float32"))
-        aux["loss"] = losses
-        return weighted, aux
+        return _weighted_losses(problem, losses, aux, None, batch_size), aux
 
     def batch_total(probe_values):
         captured = [None] * len(plan.calls)
@@ -365,26 +361,26 @@ def _grad_with_aux(fn, params):
         raise Unsupported(str(error)) from error
 
 
-def _example_scale(problem, aux, batch_size):
-    """``c_i``: B for a sum reduction, ``B valid_i / sum_j valid_j`` for masks (else 1)."""
-    scale = ops.ones((batch_size,), "float32")
-    if problem.sum_reduction:
-        scale = scale * ops.cast(batch_size, "float32")
-    if "valid" in aux:
-        valid = ops.cast(aux["valid"], "float32")
-        scale = scale * ops.cast(batch_size, "float32") * valid / ops.sum(valid)
-    return scale
+def _weighted_losses(problem, losses, aux, weights, batch_size):
+    """``sum_i w_i c_i L_i`` of a vectorized pass's losses (``w_i = 1`` without ``weights``),
+    the factors held constant; records ``L_i`` and ``c_i`` in ``aux``."""
+    factors = problem.example_scale(aux.pop("valid", None), batch_size)
+    aux["loss"], aux["example_scale"] = losses, factors
+    if weights is not None:
+        weights = ops.cast(weights, "float32")
+        factors = weights if factors is None else weights * factors
+    losses = ops.cast(losses, "float32")
+    return ops.sum(losses if factors is None else ops.stop_gradient(factors) * losses)
 
 
-def _finish_aux(problem, aux, non_trainable, batch_size):
+def _finish_aux(problem, aux, non_trainable):
     out = {"y_pred": aux["y_pred"]}
     if "loss" in aux:  # (not from a whole-batch pass; the step does not read it)
-        out["loss"] = aux["loss"] * ops.cast(aux["example_scale"], aux["loss"].dtype)
+        scale = aux["example_scale"]
+        out["loss"] = aux["loss"] if scale is None else aux["loss"] * ops.cast(scale, aux["loss"].dtype)
     if "mask" in aux:
         out["mask"] = aux["mask"]
-    out["seeds"] = [
-        ops.stack([non_trainable[p][0], new[0][1]]) for p, new in zip(problem.seed_positions, aux["seeds"])
-    ]
+    out["seeds"] = problem.advanced_seeds(non_trainable, aux["seeds"])
     return out
 
 
@@ -533,10 +529,7 @@ def _direct(problem, weights, trainable_values, batched, shared, batch_size):
             lambda example, shared: problem._example_loss(values, example, shared), batched, shared,
             layout_hints=_has_convolutions(problem.model),
         )
-        scale = _example_scale(problem, aux, batch_size)
-        aux["example_scale"], aux["loss"] = scale, losses
-        factors = ops.stop_gradient(ops.cast(weights, "float32") * scale)
-        return ops.sum(factors * ops.cast(losses, "float32")), aux
+        return _weighted_losses(problem, losses, aux, weights, batch_size), aux
 
     return _grad_with_aux(total, list(trainable_values))
 
@@ -635,7 +628,7 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         if inverse is not None:
             grads = [g * ops.cast(inverse, g.dtype) for g in grads]
         result = [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
-        return aggregator.finalize(result, stats), _finish_aux(problem, aux, non_trainable, batch_size)
+        return aggregator.finalize(result, stats), _finish_aux(problem, aux, non_trainable)
     layers, aux = _layers(problem, trainable_values, batched, shared, batch_size, inverse)
     with _context(problem, trainable_values, non_trainable):
         norms = layers.squared_norms(batch_size)
@@ -649,7 +642,7 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         stats = ExampleStatistics(norms, gram)
         weights = ops.stop_gradient(aggregator.example_weights(stats))
         result = layers.weighted_sums(weights, variables)
-    return aggregator.finalize(result, stats), _finish_aux(problem, aux, non_trainable, batch_size)
+    return aggregator.finalize(result, stats), _finish_aux(problem, aux, non_trainable)
 
 
 def statistics(problem, trainable_values, non_trainable_values, x, y=None, sample_weight=None,
@@ -663,7 +656,7 @@ def statistics(problem, trainable_values, non_trainable_values, x, y=None, sampl
     layers, aux = _layers(problem, trainable_values, batched, shared, batch_size, _unscale(None))
     with _context(problem, trainable_values, non_trainable):
         stats = ExampleStatistics(layers.squared_norms(batch_size), layers.gram(batch_size) if gram else None)
-    return stats, _finish_aux(problem, aux, non_trainable, batch_size)
+    return stats, _finish_aux(problem, aux, non_trainable)
 
 
 

@@ -191,6 +191,16 @@ def per_example_vjp(function, variables, values, inputs, delta) -> list:
     return grads
 
 
+def reduce_to(delta, shape):
+    """Example i's gradient of a bias of ``shape`` broadcast-added to the rows of ``delta``."""
+    per_example = tuple(delta.shape[1:])
+    leading = len(per_example) - len(shape)
+    axes = list(range(1, 1 + leading))
+    axes += [1 + leading + k for k, size in enumerate(shape) if size == 1 and per_example[leading + k] != 1]
+    summed = ops.sum(delta, axis=axes) if axes else delta
+    return ops.reshape(summed, (ops.shape(delta)[0],) + tuple(shape))
+
+
 def _batch_of_one(tensor):
     return ops.expand_dims(tensor, 1)
 

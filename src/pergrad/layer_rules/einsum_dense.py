@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from pergrad.layer_rules.base import PreActivationRule, register_rule
+from pergrad.layer_rules.base import PreActivationRule, reduce_to, register_rule
 
 
 def _specs(equation: str):
@@ -34,16 +34,6 @@ def _specs(equation: str):
     return (x, kernel, output) if plain else None
 
 
-def _reduce_to(delta, shape):
-    """Example i's gradient of a bias of ``shape`` broadcast-added to the rows of ``delta``."""
-    per_example = tuple(delta.shape[1:])
-    leading = len(per_example) - len(shape)
-    axes = list(range(1, 1 + leading))
-    axes += [1 + leading + k for k, size in enumerate(shape) if size == 1 and per_example[leading + k] != 1]
-    summed = ops.sum(delta, axis=axes) if axes else delta
-    return ops.reshape(summed, (ops.shape(delta)[0],) + tuple(shape))
-
-
 @register_rule(keras.layers.EinsumDense)
 class EinsumDenseRule(PreActivationRule):
     def per_example(self, layer, values, inputs, delta) -> list:
@@ -56,5 +46,5 @@ class EinsumDenseRule(PreActivationRule):
             if v is layer.kernel:
                 grads.append(ops.einsum(f"{x},{output}->{x[0]}{kernel}", inputs, delta))
             else:
-                grads.append(_reduce_to(delta, tuple(v.shape)))
+                grads.append(reduce_to(delta, tuple(v.shape)))
         return grads

@@ -13,8 +13,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from pergrad.layer_rules.base import OutputRule, context_values, register_rule
-from pergrad.layer_rules.einsum_dense import _reduce_to
+from pergrad.layer_rules.base import OutputRule, context_values, reduce_to, register_rule
 
 
 def _scale_and_offset(layer):
@@ -40,5 +39,5 @@ for _cls in (keras.layers.LayerNormalization, keras.layers.GroupNormalization,
             with keras.StatelessScope(state_mapping=context_values() + unit):
                 normalized = ops.cast(layer(inputs), "float32")
             return [
-                _reduce_to(normalized * delta if v is scale else delta, tuple(v.shape)) for v in variables
+                reduce_to(normalized * delta if v is scale else delta, tuple(v.shape)) for v in variables
             ]
