@@ -134,6 +134,7 @@ def process_options(argv=None):
     parser.add_argument("--malloc-tuning", action="store_true")
     parser.add_argument("--models", default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--suite", default="default")
     parser.add_argument("--memory-child", nargs=2, default=None)
     return parser.parse_known_args(argv)[0]
 
@@ -150,7 +151,7 @@ def disable_onednn_for_attention(options):
     elif options.models:
         models = options.models.split(",")
     else:
-        models = QUICK_MODELS if options.quick else DEFAULT_MODELS
+        models = suite_models(options.suite, options.quick)
     if any(m.strip().startswith("tfm") for m in models):
         os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
@@ -191,6 +192,18 @@ def tune_malloc():
 
 DEFAULT_MODELS = ("mlp64", "mlp256", "cnn64", "tfm64")
 QUICK_MODELS = ("mlp16", "cnn16", "tfm8")
+#: ``--suite coordinate``: issue 10's coordinate rules (quick: the second tuple)
+COORDINATE_MODELS = ("mlp64", "mlp256", "cnn64")
+COORDINATE_QUICK_MODELS = ("mlp16", "cnn16")
+SUITES = ("default", "coordinate")
+
+
+def suite_models(suite: str, quick: bool) -> tuple[str, ...]:
+    """The models a run takes when ``--models`` is not given."""
+    if suite == "coordinate":
+        return COORDINATE_QUICK_MODELS if quick else COORDINATE_MODELS
+    return QUICK_MODELS if quick else DEFAULT_MODELS
+
 PROCESS = process_options() if __name__ == "__main__" else process_options([])
 limit_threads(PROCESS.threads)
 disable_onednn_for_attention(PROCESS)
@@ -225,9 +238,16 @@ def parse_model(key: str):
 
 
 #: aggregations of the rows; the recipes implement only RECIPE_AGGREGATE's
-AGGREGATIONS = ("mean", "median", "clip", "dp", "krum", "geomed", "normfilter")
+AGGREGATIONS = ("mean", "median", "clip", "dp", "krum", "geomed", "normfilter", "trimmed",
+                "meamed", "signs", "bucketmedian", "clipmedian")
+#: the default ``--aggregations`` (the default suite's rows)
+DEFAULT_AGGREGATIONS = ("mean", "median", "clip", "dp", "krum", "geomed", "normfilter")
 #: the statistics rules: the ones with a fast path, shown again as ``pergrad-mat``
 STATISTICS_AGGREGATIONS = ("mean", "clip", "dp", "krum", "geomed", "normfilter")
+#: the coordinate rules of issue 10 (and the compositions ending in one)
+COORDINATE_AGGREGATIONS = ("median", "trimmed", "meamed", "signs", "bucketmedian", "clipmedian")
+TRIM = 0.1  # trimmed_mean(TRIM), meamed(TRIM)
+BUCKET_SIZE = 8  # bucketing(BUCKET_SIZE, median())
 CLIP_NORM = 1.0
 NOISE_MULTIPLIER = 1.0
 KRUM_BYZANTINE = 0.1
@@ -347,6 +367,18 @@ def pergrad_aggregator(name):
         return pergrad.aggregators.geometric_median()
     if name == "normfilter":
         return pergrad.aggregators.norm_filter()  # factor=3 x the median norm
+    if name == "trimmed":
+        return pergrad.aggregators.trimmed_mean(TRIM)
+    if name == "meamed":
+        return pergrad.aggregators.meamed(TRIM)
+    if name == "signs":
+        return pergrad.aggregators.sign_majority()
+    if name == "bucketmedian":
+        return pergrad.aggregators.bucketing(BUCKET_SIZE, pergrad.aggregators.median())
+    if name == "clipmedian":
+        return pergrad.aggregators.chain(
+            pergrad.aggregators.clip(CLIP_NORM), pergrad.aggregators.median()
+        )
     return name
 
 
@@ -684,11 +716,41 @@ def variant_names(selected_aggregations, recipes, kind):
                 # row took minutes per backend (ask for it with --variants)
                 continue
             if recipe == "pergrad-mat" and aggregation not in STATISTICS_AGGREGATIONS:
-                continue  # median has a single (materialized) path
+                continue  # the coordinate rules' materialized rows: --suite coordinate
             name = f"{recipe} {aggregation}"
             if not unsupported(name, kind):
                 names.append(name)
     return names
+
+
+#: the largest MLP batch with a ``jacobian median`` row in ``--suite coordinate``: that row
+#: took 0.6-1.6 s per step on mlp64 and 4.4-9.3 s on mlp256 (2-core machine, today's code)
+COORDINATE_JACOBIAN_MLP_BATCH = 64
+#: ``--suite coordinate --memory``: the variants measured for memory (plus plain)
+COORDINATE_MEMORY_VARIANTS = ("plain", "pergrad-mat median", "pergrad median")
+
+
+def coordinate_variants(key: str) -> list[str]:
+    """``--suite coordinate``: issue 10's rows of model ``key``.
+
+    The plain step, the jacobian median recipe (the CNN, and MLPs up to
+    ``COORDINATE_JACOBIAN_MLP_BATCH``), the materialized median beside the
+    default path's, and every coordinate rule on the default path.
+    """
+    kind, batch_size = parse_model(key)
+    names = ["plain"]
+    if kind != "mlp" or batch_size <= COORDINATE_JACOBIAN_MLP_BATCH:
+        names.append("jacobian median")
+    if HAS_PATH:
+        names.append("pergrad-mat median")
+    return names + [f"pergrad {a}" for a in COORDINATE_AGGREGATIONS]
+
+
+def model_sizes(key: str) -> dict:
+    """The batch size, parameter count and largest trainable variable (elements) of ``key``."""
+    kind, batch_size = parse_model(key)
+    sizes = [int(np.prod(v.shape)) for v in build_model(kind).trainable_variables]
+    return dict(batch=batch_size, parameters=sum(sizes), largest_variable=max(sizes))
 
 
 MEMORY_STEPS = 2  # steps after the first (compiling) one in a memory subprocess
@@ -762,12 +824,22 @@ def measure_memory(key: str, name: str, args) -> dict:
 def bench_model(key, args, log):
     kind, batch_size = parse_model(key)
     x, y = make_data(kind, batch_size)
-    names = args.variants or variant_names(args.aggregations, args.recipes, kind)
+    if args.variants:
+        names = args.variants
+    elif args.suite == "coordinate":
+        names = coordinate_variants(key)
+    else:
+        names = variant_names(args.aggregations, args.recipes, kind)
     if "plain" not in names:
         names.insert(0, "plain")
+    if args.memory_variants:  # plain always: the peaks' reference
+        measured = [n for n in names if n == "plain" or n in args.memory_variants]
+        names = measured if args.memory_only else names
+    else:
+        measured = names
     memory = {}
     if args.memory:
-        for name in names:
+        for name in measured:
             memory[name] = measure_memory(key, name, args)
             shown = {k: v for k, v in memory[name].items() if k != "baseline_kib"}
             log(f"  {key} {name}: memory {shown}")
@@ -798,6 +870,8 @@ def bench_model(key, args, log):
     plain_peak = memory.get("plain", {}).get("peak_kib")
     for name in names:
         row = dict(model=key, variant=name)
+        if name == "plain":  # for the memory bound of issue 10 (peak <= plain + 2 B x largest)
+            row.update(model_sizes(key))
         if name in skipped:
             row["skipped"] = skipped[name]
         elif name in failures:
@@ -939,6 +1013,11 @@ STATISTICS_GOALS = {"mlp": 1.3, "cnn": 1.3, "tfm": 1.5}
 ROBUST_GOAL = 1.5  # krum, geomed, normfilter on the MLP (stated at B=256)
 MEAN_GOAL = 1.1
 MEMORY_GOAL = 1.2  # peak of clip / dp over the plain step's peak
+#: issue 10: the largest ratio of ``pergrad median`` to a plain step, per model kind (B=64)
+MEDIAN_GOALS = {"mlp": 20.0, "cnn": 2.0}
+JACOBIAN_MEDIAN_GOAL = 30.0  # jacobian median / pergrad median on the CNN at B=64, at least
+BUCKETING_GOAL = 5.0  # bucketing(8, median) on the MLP (stated at B=256), at most
+MEDIAN_MEMORY_COPIES = 2  # peak of median <= plain peak + 2 x B x largest variable x 4 bytes
 
 
 def verdict(ok: bool) -> str:
@@ -983,9 +1062,10 @@ def goals(rows):
                            f"plain's (goal <= {MEMORY_GOAL}x): {verdict(pg['peak_ratio'] <= MEMORY_GOAL)}"
                            f"; the step's share {pg['step_mib']:.0f} MiB vs plain's "
                            f"{plain['step_mib']:.0f} MiB")
+    out += coordinate_goals(rows, models)
     # the default path against the materialized engine (where path= exists)
     for model in models:
-        for aggregation in STATISTICS_AGGREGATIONS:
+        for aggregation in STATISTICS_AGGREGATIONS + COORDINATE_AGGREGATIONS:
             pg = find(rows, model, f"pergrad {aggregation}")
             mat = find(rows, model, f"pergrad-mat {aggregation}")
             if pg and mat:
@@ -1001,6 +1081,54 @@ def goals(rows):
                 out.append(f"- {model} {aggregation}: pergrad / raw vmap = {ratio:.2f} "
                            f"(earlier goal <= 1): {check}")
     return "\n".join(out)
+
+
+def median_memory_bound_mib(plain) -> float:
+    """Issue 10's bound on the peak of ``median``: plain's peak + 2 x B x largest variable floats."""
+    extra = MEDIAN_MEMORY_COPIES * plain["batch"] * plain["largest_variable"] * 4
+    return plain["peak_mib"] + extra / 2**20
+
+
+def coordinate_goals(rows, models) -> list[str]:
+    """Issue 10's goals (pergrad = the default path), on the models whose rows exist."""
+    out = []
+    for model in models:
+        kind, batch_size = parse_model(model)
+        pg = find(rows, model, "pergrad median")
+        if pg and kind in MEDIAN_GOALS:
+            limit = MEDIAN_GOALS[kind]
+            stated = "" if batch_size == 64 else ", stated at B=64"
+            out.append(f"- {model} pergrad median: {pg['ratio']:.2f}x plain (goal <= {limit:g}x"
+                       f"{stated}): {verdict(pg['ratio'] <= limit)}")
+        jac = find(rows, model, "jacobian median")
+        if pg and jac:
+            speedup = jac["ms"] / pg["ms"]
+            goal = (f"(goal >= {JACOBIAN_MEDIAN_GOAL:g}x"
+                    + ("" if kind == "cnn" and batch_size == 64 else ", stated on cnn64") + ")")
+            out.append(f"- {model} jacobian median {jac['ms']:.1f} ms / pergrad median "
+                       f"{pg['ms']:.1f} ms = {speedup:.1f}x {goal}: "
+                       f"{verdict(speedup >= JACOBIAN_MEDIAN_GOAL)}")
+        bucket = find(rows, model, "pergrad bucketmedian")
+        if bucket and kind == "mlp":
+            stated = "" if batch_size == 256 else ", stated at B=256"
+            out.append(f"- {model} pergrad bucketing({BUCKET_SIZE}, median): "
+                       f"{bucket['ratio']:.2f}x plain (goal <= {BUCKETING_GOAL:g}x{stated}): "
+                       f"{verdict(bucket['ratio'] <= BUCKETING_GOAL)}")
+        plain = find(rows, model, "plain", "peak_mib")
+        if plain and "largest_variable" in plain:
+            bound = median_memory_bound_mib(plain)
+            for variant in ("pergrad median", "pergrad-mat median"):
+                row = find(rows, model, variant, "peak_mib")
+                if row is None:
+                    continue
+                check = (f" (goal: <= plain {plain['peak_mib']:.0f} MiB + "
+                         f"{MEDIAN_MEMORY_COPIES} x B={plain['batch']} x largest variable "
+                         f"{plain['largest_variable']:,} x 4 B = {bound:.0f} MiB): "
+                         f"{verdict(row['peak_mib'] <= bound)}")
+                if variant != "pergrad median":
+                    check = f" (the materialized path, for comparison; bound {bound:.0f} MiB)"
+                out.append(f"- {model} {variant} peak memory: {row['peak_mib']:.0f} MiB{check}")
+    return out
 
 
 def configure_threads(threads: int) -> None:
@@ -1019,10 +1147,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: " + ",".join(QUICK_MODELS) + ", 2 rounds, short blocks")
+    parser.add_argument("--suite", choices=SUITES, default="default",
+                        help="default: the recipes x --aggregations on " + ",".join(DEFAULT_MODELS)
+                        + "; coordinate: issue 10's coordinate rules (plain, jacobian median, "
+                        "pergrad-mat median, pergrad " + "/".join(COORDINATE_AGGREGATIONS)
+                        + ") on " + ",".join(COORDINATE_MODELS) + " (quick: "
+                        + ",".join(COORDINATE_QUICK_MODELS) + ")")
     parser.add_argument("--models", default=None,
-                        help="comma list of mlp<B>/cnn<B>/tfm<B> (default "
-                        + ",".join(DEFAULT_MODELS) + ")")
-    parser.add_argument("--aggregations", default=",".join(AGGREGATIONS))
+                        help="comma list of mlp<B>/cnn<B>/tfm<B> (default: the suite's)")
+    parser.add_argument("--aggregations", default=",".join(DEFAULT_AGGREGATIONS),
+                        help="the default suite's aggregations (default %(default)s; also "
+                        + ",".join(a for a in AGGREGATIONS if a not in DEFAULT_AGGREGATIONS) + ")")
     parser.add_argument("--recipes", default=",".join(default_recipes()),
                         help="jacobian, vmap, pergrad, pergrad-mat and pergrad-stats (where "
                         "PerExampleModel has path=), opacus (torch, if installed); proto "
@@ -1041,6 +1176,10 @@ def main(argv=None):
                         f"(first step + {MEMORY_STEPS} steps)")
     parser.add_argument("--memory-only", action="store_true",
                         help="--memory without the timing rounds")
+    parser.add_argument("--memory-variants", default=None,
+                        help="comma list: measure memory for these variants only (plain always; "
+                        "default all, --suite coordinate: " + ",".join(COORDINATE_MEMORY_VARIANTS)
+                        + ")")
     parser.add_argument("--memory-timeout", type=float, default=600.0,
                         help="seconds allowed per memory subprocess")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
@@ -1054,12 +1193,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
     quick = args.quick
     args.memory = args.memory or args.memory_only
-    args.models = (args.models or ",".join(QUICK_MODELS if quick else DEFAULT_MODELS)).split(",")
+    args.models = (args.models or ",".join(suite_models(args.suite, quick))).split(",")
     args.aggregations = args.aggregations.split(",")
     args.recipes = args.recipes.split(",")
+    if args.memory_variants:
+        args.memory_variants = [v.strip() for v in args.memory_variants.split(",")]
+    elif args.suite == "coordinate":
+        args.memory_variants = list(COORDINATE_MEMORY_VARIANTS)
     if args.variants:
         args.variants = [v.strip() for v in args.variants.split(",")]
-    elif quick:
+    elif quick and args.suite == "default":
         args.variants = list(QUICK_VARIANTS)
         if BACKEND == "torch" and opacus is not None:
             args.variants += QUICK_OPACUS
@@ -1104,6 +1247,8 @@ def main(argv=None):
         options.append("--malloc-tuning")
     if quick:
         options.append("--quick")
+    if args.suite != "default":
+        options.append(f"--suite {args.suite}")
     if BACKEND == "tensorflow":
         onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "TF's default")
         options.append(f"TF_ENABLE_ONEDNN_OPTS={onednn}")
@@ -1117,7 +1262,10 @@ def main(argv=None):
               "argument (the materialized engine only).")
     print(f"Aggregations: clip = clip({CLIP_NORM:g}); dp = privacy.dp_gaussian({CLIP_NORM:g}, "
           f"{NOISE_MULTIPLIER:g}); krum = krum({KRUM_BYZANTINE:g}); geomed = geometric_median(); "
-          "normfilter = norm_filter() (factor 3).")
+          "normfilter = norm_filter() (factor 3); "
+          f"trimmed = trimmed_mean({TRIM:g}); meamed = meamed({TRIM:g}); signs = sign_majority(); "
+          f"bucketmedian = bucketing({BUCKET_SIZE}, median()); clipmedian = "
+          f"chain(clip({CLIP_NORM:g}), median()).")
     print(f"Recipes: {describe_recipes()}.")
     if BACKEND == "torch":
         print("Opacus: " + (
@@ -1141,16 +1289,20 @@ def main(argv=None):
         print(f"Memory: a fresh process per variant (first step + {MEMORY_STEPS} steps); peak = "
               "its peak RSS (VmHWM on Linux, else ru_maxrss; framework included), x plain peak = "
               "over the plain step's; step = peak minus the peak after imports and data, before "
-              "the model is built.")
+              "the model is built."
+              + (f" Measured for {', '.join(['plain'] + [v for v in args.memory_variants if v != 'plain'])}"
+                 " only." if args.memory_variants else ""))
     print()
     print(table(rows, args))
     checks = goals(rows)
     if checks:
         print("\nGoals:\n" + checks)
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
-    if args.json:
+    if args.json:  # the header's facts too, for benchmarks/table.py
         with open(args.json, "w") as f:
-            json.dump(dict(backend=BACKEND, rows=rows), f, indent=1)
+            json.dump(dict(backend=BACKEND, versions=versions, options=options,
+                           source=source_state(), suite=args.suite, repeats=args.repeats,
+                           memory=args.memory, timing=not args.memory_only, rows=rows), f, indent=1)
     return rows
 
 
