@@ -9,6 +9,11 @@ Run once per backend (the backend is chosen at import, one process each)::
     KERAS_BACKEND=jax        .venv/bin/python benchmarks/bench.py --variants "plain,vmap clip,pergrad clip"
     KERAS_BACKEND=torch      .venv/bin/python benchmarks/bench.py --memory --models mlp256 \
         --variants "plain,pergrad clip,pergrad dp,opacus clip"
+    KERAS_BACKEND=jax        .venv/bin/python benchmarks/bench.py --suite coordinate --memory \
+        --json jax-coordinate.json
+
+``benchmarks/table.py`` turns the ``--json`` files of the three backends into
+the README's tables.
 
 Models (random data, fixed seed, sparse categorical cross-entropy from logits,
 SGD(0.01)); ``mlp<B>`` / ``cnn<B>`` / ``tfm<B>`` at any batch size B:
@@ -28,6 +33,15 @@ SGD(0.01)); ``mlp<B>`` / ``cnn<B>`` / ``tfm<B>`` at any batch size B:
 ``--quick`` (smoke test): ``mlp16``, ``cnn16`` and ``tfm8``, the variants plain,
 vmap clip, pergrad median, pergrad clip and pergrad krum (and the Opacus pair
 on torch), 2 rounds (others with ``--variants``).
+
+Suites (``--suite``): ``default`` is the list above (the recipes x
+``--aggregations``); ``coordinate`` is issue 10's coordinate rules on ``mlp64``,
+``mlp256`` and ``cnn64`` (``--quick``: ``mlp16``, ``cnn16``): plain, jacobian
+median (the CNN and MLPs up to B=64: on mlp256 it took 4-9 s per step),
+pergrad-mat median, and pergrad median, trimmed, meamed, signs, bucketmedian,
+clipmedian on the default path; with ``--memory`` only plain and the two median
+rows are measured for memory (``--memory-variants`` chooses others).
+``--models`` and ``--variants`` override a suite's choice.
 
 Threads: every backend runs on ``--threads 1`` by default. On a small shared
 machine, multi-threaded pools (torch's OpenMP above all) get descheduled and a
@@ -55,7 +69,8 @@ eager). Tracing/compilation is excluded (warm-up steps are run first).
   statistics fast path for statistics rules; otherwise the materialized engine);
 - ``pergrad-mat <agg>``: ``PerExampleModel(..., path="materialized")``, the
   materialized (vmap) engine beside the fast path, for the statistics rules
-  (mean, clip, dp, krum, geomed, normfilter). Only where ``path=`` exists
+  (mean, clip, dp, krum, geomed, normfilter) and, in ``--suite coordinate``,
+  the median (beside the streaming path). Only where ``path=`` exists
   (checked with ``inspect.signature``); ``pergrad-stats <agg>`` (not in the
   default list) forces ``path="statistics"``;
 - ``opacus-plain`` and ``opacus clip`` (torch run, if ``opacus`` imports; MLP and
@@ -73,7 +88,10 @@ flat L2 clipping to 1.0 then the mean (``pergrad.aggregators.clip(1.0)``);
 ``dp`` = ``pergrad.privacy.dp_gaussian(1.0, 1.0)`` (clip to 1.0, sum, Gaussian
 noise of std 1.0, divide by B); ``krum`` = ``krum(0.1)``; ``geomed`` =
 ``geometric_median()``; ``normfilter`` = ``norm_filter()`` (drops norms above 3x
-the median). The jacobian and vmap recipes aggregate mean, median and clip with
+the median); issue 10's coordinate rules ``trimmed`` = ``trimmed_mean(0.1)``,
+``meamed`` = ``meamed(0.1)``, ``signs`` = ``sign_majority()``, ``bucketmedian`` =
+``bucketing(8, median())``, ``clipmedian`` = ``chain(clip(1.0), median())`` (not
+in the default ``--aggregations``). The jacobian and vmap recipes aggregate mean, median and clip with
 hand-written ``keras.ops`` code doing the same thing; the other aggregations are
 pergrad-only (a variant that does not apply is a "skipped: why" row).
 
@@ -99,14 +117,28 @@ peak (framework included), its ratio to the plain step's peak, and the step's
 share: the peak minus the peak after the imports and the data, before the
 model is built. One subprocess costs the backend's import and compile time
 (5-15 s), so ``--memory`` on the default list adds several minutes; narrow it
-with ``--variants``.
+with ``--variants`` or ``--memory-variants`` (the variants measured for memory;
+plain always).
 
 Goals (printed under the table, issue 9 section 4; pergrad = the default
 path): ``clip`` and ``dp`` <= 1.3x plain on the MLP and the CNN (stretch 1.1x on
 the MLP), <= 1.5x on the transformer; ``krum``, ``geomed``, ``normfilter`` <=
 1.5x on the MLP (stated at B=256); ``mean`` <= 1.1x everywhere; pergrad clip
 faster than Opacus ghost clipping in absolute time (torch); peak memory of
-clip / dp <= 1.2x plain's. Then the earlier pergrad / raw vmap comparison.
+clip / dp <= 1.2x plain's. Issue 10's, where the rows exist: ``pergrad
+median`` <= 20x plain on the MLP and <= 2x on the CNN (stated at B=64);
+``jacobian median`` >= 30x slower than ``pergrad median`` (stated on cnn64);
+``pergrad bucketmedian`` <= 5x plain on the MLP (stated at B=256); the peak of
+``pergrad median`` <= plain's peak + 2 x B x the model's largest trainable
+variable x 4 bytes (the bound is computed from the model and printed with the
+measured peak; ``pergrad-mat median`` is shown beside it). Then the default
+path against the materialized one (``pergrad-mat``) for every rule with both
+rows, and the earlier pergrad / raw vmap comparison.
+
+``--json FILE`` writes the rows (the plain row also carries the model's
+``batch``, ``parameters`` and ``largest_variable``) with the header's facts
+(``backend``, ``versions``, ``options``, ``source`` commit, ``suite``,
+``repeats``), for ``benchmarks/table.py``.
 """
 
 from __future__ import annotations
