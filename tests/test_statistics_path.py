@@ -295,7 +295,8 @@ class WithOwnWeight(keras.Model):
 
 def test_the_path_can_be_forced_and_a_model_the_statistics_path_cannot_train_is_refused_or_logged(caplog):
     with pytest.raises(ValueError, match="not a statistics rule"):
-        pergrad.PerExampleModel(problems.make("dense_mlp").model, "median", path="statistics")
+        pergrad.PerExampleModel(problems.make("dense_mlp").model, pergrad.aggregators.centered_clip(1.0),
+                               path="statistics")
     with pytest.raises(ValueError, match="path must be one of"):
         pergrad.PerExampleModel(problems.make("dense_mlp").model, "mean", path="fast")
     x, y = _floats(B, 3), _floats(B, 2)

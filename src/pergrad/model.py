@@ -9,7 +9,7 @@ from pergrad import aggregators as aggregators_module
 from pergrad import compat, step, trainers
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
-from pergrad.engine import PerExampleProblem, check_model, chunked, mean_reduced
+from pergrad.engine import PerExampleProblem, check_model, mean_reduced
 
 # JAX's stateless train_step(state, data) or TF's and torch's train_step(data).
 _TrainStep = trainers.for_backend(keras.backend.backend())
@@ -62,12 +62,14 @@ class PerExampleModel(_TrainStep, keras.Model):
         self.microbatch_size = check_microbatch_size(microbatch_size)
         if path not in self.PATHS:
             raise ValueError(f"path must be one of {self.PATHS}; got {path!r}.")
-        if path == "statistics" and not chunked.supports(self.aggregator):
+        if path == "statistics" and step.engine_path(self.aggregator, path, None) != step.STATISTICS_PATH:
             raise ValueError(
                 f"Aggregator {self.aggregator.name!r} ({type(self.aggregator).__name__}) is not "
                 "a statistics rule (its result is not a weighted sum of per-example gradients "
-                "with weights from their norms and Gram matrix), so it cannot take the "
-                "statistics path. Use path='auto' or 'materialized'."
+                "with weights from their norms and Gram matrix) nor a coordinate rule the "
+                "streaming path covers (median, trimmed mean, MeaMed, sign majority, "
+                "per_variable functions, after clipping, norm filtering or bucketing), so "
+                "it cannot take the statistics path. Use path='auto' or 'materialized'."
             )
         self.engine_path = path  # (`path` is a Keras layer property)
         self._diagnostic_trackers = [

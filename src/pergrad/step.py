@@ -14,7 +14,7 @@ from keras import ops, tree
 
 from pergrad import compat
 from pergrad.aggregators.base import STATISTICS, check_result, zero_non_finite_examples
-from pergrad.engine import chunked, statistics
+from pergrad.engine import chunked, statistics, streaming
 
 #: The paths ``engine_path`` chooses between.
 STATISTICS_PATH, CHUNKED_PATH, MATERIALIZED_PATH = "statistics", "chunked", "materialized"
@@ -33,12 +33,13 @@ def engine_path(aggregator, path: str, microbatch_size: int | None) -> str:
         ``"statistics"`` (the model may still need the materialized path, found
         out when the step is traced), ``"chunked"`` or ``"materialized"``.
     """
-    supported = chunked.supports(aggregator)
+    weighted = chunked.supports(aggregator)
+    supported = weighted or streaming.supports(aggregator)
     if path != MATERIALIZED_PATH and supported and (
         path == STATISTICS_PATH or microbatch_size is None
     ):
         return STATISTICS_PATH
-    if microbatch_size is not None and supported:
+    if microbatch_size is not None and weighted:
         return CHUNKED_PATH
     return MATERIALIZED_PATH
 
@@ -91,7 +92,8 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     per_example = None
     if path == STATISTICS_PATH:
         try:
-            result, aux = statistics.aggregate(
+            fast = statistics if chunked.supports(aggregator) else streaming
+            result, aux = fast.aggregate(
                 problem, aggregator, trainable_values, non_trainable_values,
                 x, y, sample_weight, loss_scale=scale,
             )
@@ -139,7 +141,7 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     # were zeroed above: a NaN update would reveal, without noise, that one was
     # in the batch.
     if aggregator.kind != STATISTICS and not private:
-        finite = all_finite(per_example)
+        finite = all_finite(per_example) if per_example is not None else aux["finite"]
         result = [ops.where(finite, g, ops.cast(nan, g.dtype)) for g in result]
     if scale is not None:  # LossScaleOptimizer expects scaled gradients
         result = [g * ops.cast(scale, g.dtype) for g in result]

@@ -22,9 +22,9 @@ from pergrad.aggregators.base import (
     STATISTICS,
     Aggregator,
     ExampleStatistics,
+    RowMap,
     ScaledMean,
     WeightedAggregator,
-    batch_size_of,
     get,
 )
 from pergrad.arguments import check_integer
@@ -232,22 +232,27 @@ class Bucketing(Aggregator):
             self.aggregator.build(shapes)
         self.built = True
 
-    def preprocess(self, gradients):
-        batch_size = batch_size_of(gradients)
+    def row_map(self, stats, batch_size):
+        """The buckets of a random permutation: ``(ceil(B / size), size)`` rows, the
+        last bucket padded with weight-0 rows when ``size`` does not divide ``B``."""
         permutation = ops.argsort(keras.random.uniform((batch_size,), seed=self.seed_generator))
         if isinstance(batch_size, int):
             count = math.ceil(batch_size / self.size)
         else:
             count = (batch_size + self.size - 1) // self.size
-        bucket = ops.arange(batch_size) // self.size
-        membership = ops.cast(ops.arange(count)[:, None] == bucket[None, :], "float32")
-        averaging = membership / ops.sum(membership, axis=1, keepdims=True)
-        means = []
-        for g in gradients:
-            flat = ops.reshape(ops.take(g, permutation, axis=0), (-1, math.prod(g.shape[1:])))
-            mean = ops.matmul(ops.cast(averaging, g.dtype), flat)
-            means.append(ops.reshape(mean, (-1,) + tuple(g.shape[1:])))
-        return means
+        padded = count * self.size
+        position = ops.arange(padded)
+        valid = position < batch_size
+        order = ops.where(valid, ops.take(permutation, ops.minimum(position, batch_size - 1)), 0)
+        members = ops.minimum(batch_size - ops.arange(count) * self.size, self.size)
+        weights = ops.cast(valid, "float32") / ops.cast(ops.repeat(members, self.size), "float32")
+        return RowMap(
+            ops.reshape(ops.cast(order, "int32"), (count, self.size)),
+            ops.reshape(weights, (count, self.size, 1)),
+        )
+
+    def preprocess(self, gradients):
+        return self.apply_row_map(gradients)
 
     def aggregate(self, gradients):
         if self.aggregator is None:

@@ -24,6 +24,7 @@ from pergrad.aggregators.base import (
     Aggregator,
     CoordinateAggregator,
     ExampleStatistics,
+    RowMap,
     WeightedAggregator,
     batch_size_of,
     register,
@@ -346,12 +347,15 @@ class NormFilter(WeightedAggregator):
                 "can only be the last step of chain(...); use norm_filter(drop_fraction=...) "
                 "to filter before another rule."
             )
-        stats = ExampleStatistics.from_gradients(gradients)
-        norms = stats.flat_squared_norms
-        batch_size = batch_size_of(gradients)
+        return self.apply_row_map(gradients)
+
+    map_reads_statistics = True
+
+    def row_map(self, stats, batch_size):
         self._kept(stats)
+        norms = stats.flat_squared_norms
         kept = ops.sort(ops.argsort(norms)[: batch_size - _count(self.drop_fraction, batch_size)])
-        return [ops.take(g, kept, axis=0) for g in gradients]
+        return RowMap(ops.cast(kept, "int32")[:, None])
 
     def get_config(self):
         return {**super().get_config(), "factor": self.factor, "drop_fraction": self.drop_fraction}

@@ -440,6 +440,39 @@ class _Layers:
             self._materialized[position] = grads
         return self._materialized[position]
 
+    def _take_per_example(self, position):
+        """:meth:`_per_example`, dropped from the cache: the streaming path uses it once."""
+        grads = self._per_example(position)
+        del self._materialized[position]
+        return grads
+
+    def mapped(self, rows, variables, batch_size):
+        """``(k, J x variable k's gradients)``: the row map applied to every variable's
+        per-example gradients (``rows`` ``None``: the gradients themselves), one call at
+        a time, so that only one call's gradients exist at once (where steps run eagerly;
+        a compiler frees them as it sees fit)."""
+        for position, call in enumerate(self.plan.calls):
+            if self.shared[position]:
+                continue
+            columns = [self.index_of[id(v)] for v in call.variables]
+            if rows is None:
+                grads = self._take_per_example(position)
+            elif call.fallback:
+                grads = [rows.apply(g, k) for g, k in zip(self._take_per_example(position), columns)]
+            else:
+                grads = call.rule.mapped(call.layer, self._values(call), self.inputs[position],
+                                         self.deltas[position], rows, columns)
+            for k, g in zip(columns, grads):
+                yield k, g
+        read = {self.index_of[id(v)] for call in self.plan.calls for v in call.variables}
+        for k, summed in self._shared_variables().items():
+            g = ops.reshape(summed, (-1,) + tuple(variables[k].shape))
+            yield k, g if rows is None else rows.apply(g, k)
+        for k, v in enumerate(variables):
+            if k not in read:  # no call reads it: zero gradients
+                zeros = ops.zeros((batch_size,) + tuple(v.shape), "float32")
+                yield k, zeros if rows is None else rows.apply(zeros, k)
+
     def _ghost(self, position):
         call = self.plan.calls[position]
         return not (call.fallback or self.shared[position] or call.rule.materializes(

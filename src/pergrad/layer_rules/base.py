@@ -160,6 +160,20 @@ class LayerRule:
             out.append(ops.reshape(ops.matmul(w[None, :], _rows(g))[0], ops.shape(g)[1:]))
         return out
 
+    def mapped(self, layer, values, inputs, delta, rows, columns) -> list:
+        """A linear map of the batch applied to every variable's per-example gradients.
+
+        ``rows`` is a :class:`pergrad.aggregators.base.RowMap` (output row ``j`` is
+        ``sum_t w_jt g_{order_jt}``: clipped, filtered or bucket-averaged examples)
+        and ``columns[m]`` the column of the rule's ``m``-th variable in its
+        weights. Returns ``(J,) + variable.shape`` per variable. By default from
+        :meth:`per_example`; rules whose gradient is linear in ``delta`` and sums
+        over positions override it to map ``A`` and ``D`` first (only ``J``
+        gradients formed).
+        """
+        grads = self.per_example(layer, values, inputs, delta)
+        return [rows.apply(g, k) for g, k in zip(grads, columns)]
+
 
 def context_values() -> list:
     """The ``(variable, value)`` pairs of :func:`variable_values` (empty outside the engine)."""
@@ -199,6 +213,27 @@ def reduce_to(delta, shape):
     axes += [1 + leading + k for k, size in enumerate(shape) if size == 1 and per_example[leading + k] != 1]
     summed = ops.sum(delta, axis=axes) if axes else delta
     return ops.reshape(summed, (ops.shape(delta)[0],) + tuple(shape))
+
+
+def slot_rows(tensor, rows, column=None):
+    """The rows of ``tensor`` (batch first) in ``rows.order``'s slots, ``(J * s, ...)``,
+    times the slot weights of variable ``column`` when it is given."""
+    if rows.order is not None:
+        tensor = ops.take(tensor, ops.reshape(rows.order, (-1,)), axis=0)
+    weights = None if column is None else rows.variable_weights(column)
+    if weights is None:
+        return tensor
+    flat = ops.cast(ops.reshape(weights, (-1,)), tensor.dtype)
+    return tensor * ops.reshape(flat, (-1,) + (1,) * (len(tensor.shape) - 1))
+
+
+def joined_slots(tensor, rows):
+    """``(J * s, n, ...) -> (J, s * n, ...)``: each output row's examples as one
+    sequence of positions (identity when ``rows.order`` is ``None``)."""
+    if rows.order is None:
+        return tensor
+    count = ops.shape(rows.order)[0]
+    return ops.reshape(tensor, (count, -1) + tuple(tensor.shape[2:]))
 
 
 def _batch_of_one(tensor):

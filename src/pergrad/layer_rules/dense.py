@@ -18,7 +18,7 @@ import math
 import keras
 from keras import ops
 
-from pergrad.layer_rules.base import PreActivationRule, register_rule
+from pergrad.layer_rules.base import PreActivationRule, joined_slots, register_rule, slot_rows
 
 
 def _flat(inputs, delta):
@@ -53,9 +53,30 @@ class DenseRule(PreActivationRule):
         return n is None or (n > 1 and 2 * n * n > inputs.shape[-1] * delta.shape[-1])
 
     def per_example(self, layer, values, inputs, delta) -> list:
+        if len(inputs.shape) == 2:  # an outer product per example
+            grads = {"kernel": lambda: inputs[:, :, None] * delta[:, None, :], "bias": lambda: delta}
+            return [grads[part]() for part in self._parts(layer)]
         a, d = _flat(inputs, delta)
         grads = {"kernel": ops.einsum("bni,bno->bio", a, d), "bias": ops.sum(d, axis=1)}
         return [grads[part] for part in self._parts(layer)]
+
+    def mapped(self, layer, values, inputs, delta, rows, columns) -> list:
+        # Row j's kernel gradient is sum_t w_jt A_{o_jt}^T D_{o_jt}: the gradient of one
+        # "example" whose positions are those of its slots, with D weighted.
+        if rows.order is None and rows.weights is None:
+            return self.per_example(layer, values, inputs, delta)
+        a, d = _flat(inputs, delta)
+        a = joined_slots(slot_rows(a, rows), rows)
+        out = []
+        for part, column in zip(self._parts(layer), columns):
+            weighted = joined_slots(slot_rows(d, rows, column), rows)
+            if part == "bias":
+                out.append(ops.sum(weighted, axis=1))
+            elif rows.order is None and len(inputs.shape) == 2:
+                out.append(a[:, 0, :, None] * weighted[:, 0, None, :])
+            else:
+                out.append(ops.einsum("bni,bno->bio", a, weighted))
+        return out
 
     def squared_norms(self, layer, values, inputs, delta) -> list:
         if len(inputs.shape) == 2:  # the common case, without reshapes (each op costs on torch)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from pergrad.layer_rules.base import OutputRule, register_rule
+from pergrad.layer_rules.base import OutputRule, joined_slots, register_rule, slot_rows
 
 
 def _flat(inputs, delta):
@@ -42,6 +42,13 @@ class EmbeddingRule(OutputRule):
         rows = ops.reshape(d, (-1, ops.shape(d)[-1]))
         table = ops.segment_sum(rows, segments, num_segments=batch * vocab)
         return [ops.reshape(table, (batch, vocab, ops.shape(d)[-1]))]
+
+    def mapped(self, layer, values, inputs, delta, rows, columns) -> list:
+        # Row j's table is the segment sum of its slots' weighted D rows at their ids.
+        ids, d = _flat(inputs, delta)
+        ids = joined_slots(slot_rows(ids, rows), rows)
+        d = joined_slots(slot_rows(d, rows, columns[0]), rows)
+        return self.per_example(layer, values, ids, d)
 
     def squared_norms(self, layer, values, inputs, delta) -> list:
         ids, d = _flat(inputs, delta)

@@ -1,0 +1,127 @@
+"""The streaming path: coordinate rules one variable at a time, from each layer's ``A`` and ``D``.
+
+A coordinate rule (median, trimmed mean, MeaMed, sign majority, a
+``per_variable`` function) needs all ``B`` values of each coordinate, but of
+one variable at a time (docs/architecture.md, 'The streaming path'). After the
+statistics path's forward and backward pass (each planned call's input ``A``
+and output gradient ``D``), each call's per-example gradients are formed by its
+layer rule, aggregated variable by variable and dropped: the ``B x P`` tensor
+of every variable never exists at once.
+
+Pre-processing steps before the coordinate rule (``chain(clip(C), median())``,
+``bucketing(s, median())``, ``chain(norm_filter(drop_fraction=f), ...)``) are
+linear maps of the batch (:class:`~pergrad.aggregators.base.RowMap`): their
+weights come from per-example squared norms (the statistics path's, no
+per-example gradient), and the composed map is applied to ``A`` and ``D`` where
+the layer rule allows (``Dense``, ``Embedding``: a bucket's gradient is that of
+one "example" made of its members' positions), so that only the ``J`` output
+rows are formed.
+"""
+
+from __future__ import annotations
+
+from keras import ops
+
+from pergrad.aggregators.base import Aggregator, CoordinateAggregator, ExampleStatistics, FunctionAggregator
+from pergrad.aggregators.compose import Bucketing, Chain
+from pergrad.engine import statistics
+
+
+def _owner(cls, name):
+    """The class of ``cls``'s MRO that defines attribute ``name``."""
+    return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+
+def _final(aggregator):
+    """``aggregator`` if it works variable by variable, else ``None``."""
+    if isinstance(aggregator, FunctionAggregator):
+        return aggregator if aggregator.per_variable else None
+    per_variable = _owner(type(aggregator), "aggregate") is CoordinateAggregator
+    return aggregator if isinstance(aggregator, CoordinateAggregator) and per_variable else None
+
+
+def _is_linear_step(step) -> bool:
+    """Whether a pre-processing step is its :meth:`~Aggregator.row_map` (not a ``preprocess`` of its own)."""
+    cls = type(step)
+    defines = _owner(cls, "row_map")
+    return defines is not Aggregator and _owner(cls, "preprocess") is defines
+
+
+def plan(aggregator):
+    """``(steps, final)``: the linear pre-processing steps and the coordinate rule, or ``None``.
+
+    Covers coordinate rules, ``bucketing(size, rule)`` and chains whose steps are
+    clipping / automatic clipping / ``norm_filter(drop_fraction=...)`` /
+    ``bucketing(size)`` and whose last rule is one of these. A step that reads
+    statistics after a bucketing is not covered (a bucket mean's norms need more
+    than per-example norms).
+    """
+    if type(aggregator) is Bucketing and aggregator.aggregator is not None:
+        inner = plan(aggregator.aggregator)
+        steps = None if inner is None else ([aggregator], inner)
+    elif type(aggregator) is Chain and aggregator.kind != "statistics":
+        inner = plan(aggregator.steps[-1])
+        steps = None if inner is None else (list(aggregator.steps[:-1]), inner)
+    else:
+        final = _final(aggregator)
+        return None if final is None else ([], final)
+    if steps is None:
+        return None
+    (outer, (inner_steps, final)) = steps
+    every = outer + inner_steps
+    if not all(_is_linear_step(step) for step in every):
+        return None
+    mixing = False
+    for step in every:
+        if mixing and step.map_reads_statistics:
+            return None
+        mixing = mixing or isinstance(step, Bucketing)
+    return every, final
+
+
+def supports(aggregator) -> bool:
+    """Whether the streaming path can run ``aggregator`` (see :func:`plan`)."""
+    return plan(aggregator) is not None
+
+
+def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=None,
+              sample_weight=None, loss_scale=None):
+    """A coordinate rule's result over the batch, one variable at a time.
+
+    Returns ``(result, aux)`` as :func:`pergrad.engine.statistics.aggregate`, with
+    ``aux["finite"]``: whether every per-example gradient was finite (the step
+    makes the update NaN otherwise, as on the materialized path). Raises
+    :class:`~pergrad.engine.statistics.Unsupported` when the model needs the
+    materialized path.
+    """
+    steps, final = plan(aggregator)
+    batched, batch_size, non_trainable, example_loss_scale = problem.batched_inputs(
+        non_trainable_values, x, y, sample_weight, loss_scale
+    )
+    if isinstance(batch_size, int):
+        aggregator.check_batch_size(batch_size)
+    shared = {"non_trainable": non_trainable, "loss_scale": example_loss_scale}
+    variables = problem.model.trainable_variables
+    layers, aux = statistics._layers(problem, trainable_values, batched, shared, batch_size,
+                                     statistics._unscale(example_loss_scale))
+    finite = []
+    with statistics._context(problem, trainable_values, non_trainable):
+        stats, rows, size = None, None, batch_size
+        if any(step.map_reads_statistics for step in steps):
+            stats = ExampleStatistics(layers.squared_norms(batch_size))
+            # Every example's gradient is finite iff its norms are (as the materialized
+            # path checks before the steps drop or rescale any example).
+            finite.append(ops.all(ops.isfinite(stats.squared_norms)))
+        for step in steps:
+            mapping = step.row_map(stats, size)
+            stats = None if stats is None else mapping.statistics(stats)
+            rows = mapping if rows is None else rows.then(mapping)
+            if mapping.order is not None:
+                size = mapping.order.shape[0] or ops.shape(mapping.order)[0]
+        result = [None] * len(variables)
+        for k, gradients in layers.mapped(rows, variables, size):
+            finite.append(ops.all(ops.isfinite(gradients)))
+            result[k] = ops.cast(final.aggregate_variable(gradients), variables[k].dtype)
+    aux = statistics._finish_aux(problem, aux, non_trainable)
+    aux["finite"] = ops.all(ops.stack(finite))
+    return result, aux
