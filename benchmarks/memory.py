@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 
-RULES = ("plain", "mean", "clip")
+RULES = ("plain", "mean", "clip", "median")
 
 
 def child(rule: str, microbatch_size: int | None, batch: int) -> None:
@@ -38,7 +38,7 @@ def child(rule: str, microbatch_size: int | None, batch: int) -> None:
         ]
     )
     if rule != "plain":
-        aggregator = "mean" if rule == "mean" else pergrad.aggregators.clip(1.0)
+        aggregator = {"mean": "mean", "clip": pergrad.aggregators.clip(1.0), "median": "median"}[rule]
         model = pergrad.PerExampleModel(model, aggregator, microbatch_size=microbatch_size)
     model.compile(
         optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -33,6 +33,7 @@ from pergrad.aggregators import (
 )
 from pergrad.aggregators.base import RowMap
 from pergrad.engine import PerExampleProblem, streaming
+from pergrad.layer_rules.dense import DenseRule
 
 B = problems.BATCH
 RTOL, ATOL = 1e-5, 1e-5
@@ -179,3 +180,38 @@ def test_row_maps_compose_like_the_steps_applied_in_turn():
                 stepwise = m.apply(stepwise, k)
             np.testing.assert_allclose(oracle.to_numpy(composed.apply(ops.convert_to_tensor(rows), k)),
                                        oracle.to_numpy(stepwise), rtol=1e-6, atol=1e-6)
+
+
+def _normalized_first(gradient):
+    """A per-variable rule that mixes a variable's coordinates: it must not be split."""
+    return gradient[0] / (ops.sum(ops.abs(gradient)) + 1.0)
+
+
+@pytest.mark.parametrize("rule", ["median", "per_variable"])
+def test_microbatches_bound_the_blocks_a_dense_kernel_is_aggregated_in(rule, monkeypatch):
+    """With ``microbatch_size`` a coordinate-wise rule gets each Dense kernel in blocks of
+    input features (never a function that may mix coordinates); the result is unchanged."""
+    make = {"median": lambda: chain(clip(0.05), median()),
+            "per_variable": lambda: per_variable(_normalized_first)}[rule]
+    widths = []
+    original = DenseRule.mapped
+
+    def recording(self, layer, values, inputs, *args):
+        widths.append((inputs.shape[-1], layer.kernel.shape[0]))
+        return original(self, layer, values, inputs, *args)
+
+    results = []
+    for path, microbatch in (("materialized", None), ("auto", 2)):
+        problem = problems.make("dense_mlp")
+        wrapper = pergrad.PerExampleModel(problem.model, make(), path=path, microbatch_size=microbatch)
+        problem.compile(wrapper, optimizer=keras.optimizers.SGD(0.3))
+        with monkeypatch.context() as patch:
+            if path == "auto":
+                patch.setattr(PerExampleProblem, "compute", _refuse)
+                patch.setattr(DenseRule, "mapped", recording)
+            wrapper.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=B,
+                        epochs=2, shuffle=False, verbose=0)
+        results.append(wrapper.model)
+    oracle.assert_weights_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+    split = any(width < full for width, full in widths)
+    assert split == (rule == "median"), widths

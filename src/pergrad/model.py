@@ -39,15 +39,21 @@ class PerExampleModel(_TrainStep, keras.Model):
         microbatch_size: work through the batch in chunks of this many
             examples; results are the same. For ``mean``, ``sum`` and
             statistics rules the aggregate is accumulated chunk by chunk
-            (``pergrad.engine.chunked``), which bounds peak memory; coordinate and
-            arbitrary rules still receive all B per-example gradients.
+            (``pergrad.engine.chunked``), which bounds peak memory; built-in
+            coordinate rules get each Dense kernel in blocks of about that many
+            examples' worth (``pergrad.engine.streaming``); arbitrary rules still
+            receive all B per-example gradients.
         path: the engine path (docs/architecture.md, 'Engine paths').
             ``"auto"`` (default): statistics rules (mean, sum, clipping, DP-SGD,
             Krum, geometric median, norm filter, chains of them) take the
             statistics path (``pergrad.engine.statistics``: no ``B x P``
             per-example tensor, one backward pass) unless ``microbatch_size``
             is set or the model needs the materialized path (the reason is
-            logged once); other rules take the materialized path.
+            logged once); coordinate rules (median, trimmed mean, MeaMed, sign
+            majority, ``per_variable`` functions, after clipping, filtering or
+            bucketing) take the streaming path (``pergrad.engine.streaming``:
+            one variable's per-example gradients at a time); other rules take
+            the materialized path.
             ``"statistics"``: the statistics path or an error saying why not.
             ``"materialized"``: every per-example gradient, always (the reference).
     """

@@ -35,8 +35,10 @@ def engine_path(aggregator, path: str, microbatch_size: int | None) -> str:
     """
     weighted = chunked.supports(aggregator)
     supported = weighted or streaming.supports(aggregator)
+    # Coordinate rules stream whatever the microbatch size: their backward pass has no
+    # per-example term, and the microbatch size bounds the blocks they are aggregated in.
     if path != MATERIALIZED_PATH and supported and (
-        path == STATISTICS_PATH or microbatch_size is None
+        path == STATISTICS_PATH or microbatch_size is None or not weighted
     ):
         return STATISTICS_PATH
     if microbatch_size is not None and weighted:
@@ -92,11 +94,16 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     per_example = None
     if path == STATISTICS_PATH:
         try:
-            fast = statistics if chunked.supports(aggregator) else streaming
-            result, aux = fast.aggregate(
-                problem, aggregator, trainable_values, non_trainable_values,
-                x, y, sample_weight, loss_scale=scale,
-            )
+            if chunked.supports(aggregator):
+                result, aux = statistics.aggregate(
+                    problem, aggregator, trainable_values, non_trainable_values,
+                    x, y, sample_weight, loss_scale=scale,
+                )
+            else:
+                result, aux = streaming.aggregate(
+                    problem, aggregator, trainable_values, non_trainable_values,
+                    x, y, sample_weight, loss_scale=scale, microbatch_size=wrapper.microbatch_size,
+                )
         except statistics.Unsupported as error:
             if wrapper.engine_path == STATISTICS_PATH:
                 raise ValueError(
@@ -104,7 +111,7 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
                     "Use path='auto' (it then takes the materialized path) or 'materialized'."
                 ) from error
             log_materialized(wrapper, str(error))
-            path = MATERIALIZED_PATH  # 'auto' takes the statistics path only without microbatches
+            path = MATERIALIZED_PATH
     if path == CHUNKED_PATH:
         # Accumulated chunk by chunk: no (B, ...) per-example tensor exists. A DP
         # rule's non-finite examples are zeroed in every chunk.

@@ -78,6 +78,10 @@ class Aggregator(keras.layers.Layer):
     #: Whether the rule keeps state shaped like the trainable variables it was
     #: built for (centered clipping's center): it cannot follow a freeze.
     state_per_variable: bool = False
+    #: Whether each coordinate's result depends on that coordinate's ``B`` values
+    #: only (median, trimmed mean): the streaming path may then aggregate a
+    #: variable in parts to bound memory (``microbatch_size``).
+    coordinatewise: bool = False
 
     def __init__(self, **kwargs):
         kwargs.setdefault("dtype", "float32")

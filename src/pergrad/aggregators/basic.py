@@ -56,6 +56,8 @@ class Median(CoordinateAggregator):
     learning: towards optimal statistical rates"). For an even batch, the mean
     of the two middle values, as ``numpy.median``."""
 
+    coordinatewise = True
+
     def aggregate_variable(self, gradient):
         return ops.median(gradient, axis=0)
 
@@ -70,6 +72,8 @@ class TrimmedMean(CoordinateAggregator):
     Args:
         trim: fraction dropped at each end, in ``[0, 0.5)``.
     """
+
+    coordinatewise = True
 
     def __init__(self, trim: float = 0.1, **kwargs):
         super().__init__(**kwargs)

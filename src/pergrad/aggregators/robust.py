@@ -72,6 +72,8 @@ class MeaMed(CoordinateAggregator):
         arXiv:1802.10116.
     """
 
+    coordinatewise = True
+
     def __init__(self, byzantine: float = 0.1, **kwargs):
         super().__init__(**kwargs)
         self.byzantine = _check_fraction("meamed", "byzantine", byzantine)
@@ -271,6 +273,8 @@ class SignMajority(CoordinateAggregator):
         Bernstein, Zhao, Azizzadenesheli, Anandkumar, 2019, "signSGD with
         majority vote is communication efficient and fault tolerant", ICLR.
     """
+
+    coordinatewise = True
 
     def aggregate_variable(self, gradient):
         return ops.sign(ops.sum(ops.sign(gradient), axis=0))

@@ -33,7 +33,7 @@ import keras
 from keras import ops, tree
 
 from pergrad import compat
-from pergrad.aggregators.base import ExampleStatistics
+from pergrad.aggregators.base import ExampleStatistics, RowMap
 from pergrad.aggregators.basic import Mean, Sum
 from pergrad.backend import adapter
 from pergrad.engine.materialized import per_example_gradients
@@ -43,6 +43,7 @@ from pergrad.layer_rules.base import OutputRule, per_example_vjp, replaced_attri
 
 LOGGER = logging.getLogger("pergrad")
 _FALLBACK = OutputRule()
+_IDENTITY = RowMap()
 
 
 class Unsupported(Exception):
@@ -446,24 +447,27 @@ class _Layers:
         del self._materialized[position]
         return grads
 
-    def mapped(self, rows, variables, batch_size):
+    def mapped(self, rows, variables, batch_size, pieces=1):
         """``(k, J x variable k's gradients)``: the row map applied to every variable's
-        per-example gradients (``rows`` ``None``: the gradients themselves), one call at
-        a time, so that only one call's gradients exist at once (where steps run eagerly;
-        a compiler frees them as it sees fit)."""
+        per-example gradients (``rows`` ``None``: the identity), one call at a time, so
+        that only one call's gradients exist at once (where steps run eagerly; a compiler
+        frees them as it sees fit). With ``pieces > 1``, rules that can
+        (:meth:`~pergrad.layer_rules.LayerRule.mapped_pieces`) give a variable in parts
+        along its first axis, yielded in order."""
         for position, call in enumerate(self.plan.calls):
             if self.shared[position]:
                 continue
             columns = [self.index_of[id(v)] for v in call.variables]
-            if rows is None:
+            if call.fallback or (rows is None and pieces <= 1):
                 grads = self._take_per_example(position)
-            elif call.fallback:
-                grads = [rows.apply(g, k) for g, k in zip(self._take_per_example(position), columns)]
-            else:
-                grads = call.rule.mapped(call.layer, self._values(call), self.inputs[position],
-                                         self.deltas[position], rows, columns)
-            for k, g in zip(columns, grads):
-                yield k, g
+                for k, g in zip(columns, grads):
+                    yield k, g if rows is None else rows.apply(g, k)
+                continue
+            mapping = rows if rows is not None else _IDENTITY
+            parts = call.rule.mapped_pieces(call.layer, self._values(call), self.inputs[position],
+                                            self.deltas[position], mapping, columns, pieces)
+            for m, g in parts:
+                yield columns[m], g
         read = {self.index_of[id(v)] for call in self.plan.calls for v in call.variables}
         for k, summed in self._shared_variables().items():
             g = ops.reshape(summed, (-1,) + tuple(variables[k].shape))

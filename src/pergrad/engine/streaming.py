@@ -85,8 +85,13 @@ def supports(aggregator) -> bool:
 
 
 def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=None,
-              sample_weight=None, loss_scale=None):
+              sample_weight=None, loss_scale=None, microbatch_size=None):
     """A coordinate rule's result over the batch, one variable at a time.
+
+    With ``microbatch_size`` ``m`` and a coordinate-wise final rule (median, trimmed
+    mean, MeaMed, sign majority; not a ``per_variable`` function, which may mix a
+    variable's coordinates), a ``Dense`` kernel is formed and aggregated in
+    ``ceil(B / m)`` blocks of input features: about ``m`` x its size at once.
 
     Returns ``(result, aux)`` as :func:`pergrad.engine.statistics.aggregate`, with
     ``aux["finite"]``: whether every per-example gradient was finite (the step
@@ -118,10 +123,14 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
             rows = mapping if rows is None else rows.then(mapping)
             if mapping.order is not None:
                 size = mapping.order.shape[0] or ops.shape(mapping.order)[0]
-        result = [None] * len(variables)
-        for k, gradients in layers.mapped(rows, variables, size):
+        pieces = 1
+        if microbatch_size is not None and final.coordinatewise and isinstance(batch_size, int):
+            pieces = -(-batch_size // microbatch_size)
+        parts = [[] for _ in variables]
+        for k, gradients in layers.mapped(rows, variables, size, pieces):
             finite.append(ops.all(ops.isfinite(gradients)))
-            result[k] = ops.cast(final.aggregate_variable(gradients), variables[k].dtype)
+            parts[k].append(ops.cast(final.aggregate_variable(gradients), variables[k].dtype))
+        result = [p[0] if len(p) == 1 else ops.concatenate(p, axis=0) for p in parts]
     aux = statistics._finish_aux(problem, aux, non_trainable)
     aux["finite"] = ops.all(ops.stack(finite))
     return result, aux

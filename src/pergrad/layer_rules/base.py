@@ -174,6 +174,16 @@ class LayerRule:
         grads = self.per_example(layer, values, inputs, delta)
         return [rows.apply(g, k) for g, k in zip(grads, columns)]
 
+    def mapped_pieces(self, layer, values, inputs, delta, rows, columns, pieces: int):
+        """:meth:`mapped` in up to ``pieces`` parts per variable, to bound memory.
+
+        Yields ``(m, part)``: the parts of the ``m``-th variable's result, in order,
+        concatenated along axis 0 give :meth:`mapped`'s. By default one part each;
+        ``Dense`` splits its kernel by input features.
+        """
+        del pieces
+        yield from enumerate(self.mapped(layer, values, inputs, delta, rows, columns))
+
 
 def context_values() -> list:
     """The ``(variable, value)`` pairs of :func:`variable_values` (empty outside the engine)."""

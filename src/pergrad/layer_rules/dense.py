@@ -78,6 +78,19 @@ class DenseRule(PreActivationRule):
                 out.append(ops.einsum("bni,bno->bio", a, weighted))
         return out
 
+    def mapped_pieces(self, layer, values, inputs, delta, rows, columns, pieces: int):
+        size = inputs.shape[-1]
+        if pieces <= 1 or size is None or "kernel" not in self._parts(layer):
+            yield from super().mapped_pieces(layer, values, inputs, delta, rows, columns, pieces)
+            return
+        step = -(-size // min(pieces, size))
+        for start in range(0, size, step):
+            # The kernel's rows [start, start + step) come from those input features alone.
+            parts = self.mapped(layer, values, inputs[..., start:start + step], delta, rows, columns)
+            for m, (part, value) in enumerate(zip(self._parts(layer), parts)):
+                if part == "kernel" or start == 0:
+                    yield m, value
+
     def squared_norms(self, layer, values, inputs, delta) -> list:
         if len(inputs.shape) == 2:  # the common case, without reshapes (each op costs on torch)
             squared_delta = ops.sum(ops.square(delta), axis=1)
