@@ -215,3 +215,27 @@ def test_microbatches_bound_the_blocks_a_dense_kernel_is_aggregated_in(rule, mon
     oracle.assert_weights_close(results[1], results[0], atol=1e-5, rtol=1e-5)
     split = any(width < full for width, full in widths)
     assert split == (rule == "median"), widths
+
+
+def test_the_dense_rule_finds_non_finite_per_example_gradients_from_a_and_d():
+    """``a_i ⊗ d_i`` has a non-finite entry iff an entry of a_i or d_i is, or the largest
+    product overflows; checked against the formed outer products."""
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    rule = DenseRule()
+    cases = {
+        "finite": ([[1.0, -2.0, 3.0]], [[4.0, 5.0]]),
+        "near overflow": ([[1e19, 1.0, 0.0]], [[-3e19, 1.0]]),
+        "overflow": ([[1e20, 1.0, 0.0]], [[-1e20, 1.0]]),
+        "inf times zero": ([[np.inf, 1.0, 0.0]], [[0.0, 0.0]]),
+        "nan in d": ([[1.0, 1.0, 1.0]], [[np.nan, 0.0]]),
+    }
+    for name, (a, d) in cases.items():
+        a, d = np.array(a * 2, "float32"), np.array(d * 2, "float32")
+        expected = all(np.isfinite(g).all() for g in rule.per_example(
+            layer, None, ops.convert_to_tensor(a), ops.convert_to_tensor(d)))
+        actual = rule.all_finite(layer, ops.convert_to_tensor(a), ops.convert_to_tensor(d))
+        assert bool(oracle.to_numpy(actual)) == expected, name
+    assert [bool(oracle.to_numpy(rule.all_finite(layer, ops.convert_to_tensor(np.array(a * 2, "float32")),
+                                                  ops.convert_to_tensor(np.array(d * 2, "float32")))))
+            for a, d in cases.values()] == [True, True, False, False, False]

@@ -54,6 +54,20 @@ def batch_size_of(gradients) -> int:
     return ops.shape(gradients[0])[0]
 
 
+def batch_sum(values):
+    """``(B, ...) -> (...)``: the sum over the batch axis; on JAX as one matrix product.
+
+    XLA:CPU reduces over a leading axis of a fused expression ~20x slower than it
+    multiplies the transposed rows by a vector of ones (a 64 x 270k sign sum in a
+    JAX step: 366 ms vs 16 ms; ones on the left: 78 ms).
+    """
+    if keras.backend.backend() != "jax":  # TensorFlow's reduction is the faster one (2x)
+        return ops.sum(values, axis=0)
+    rows = ops.reshape(values, (ops.shape(values)[0], -1))
+    total = ops.matmul(ops.transpose(rows), ops.ones((ops.shape(values)[0],), rows.dtype))
+    return ops.reshape(total, ops.shape(values)[1:])
+
+
 def static_batch_size(gradients) -> int | None:
     size = gradients[0].shape[0]
     return int(size) if size is not None else None

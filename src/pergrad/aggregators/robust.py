@@ -27,6 +27,7 @@ from pergrad.aggregators.base import (
     RowMap,
     WeightedAggregator,
     batch_size_of,
+    batch_sum,
     register,
     weighted_sum,
 )
@@ -277,7 +278,7 @@ class SignMajority(CoordinateAggregator):
     coordinatewise = True
 
     def aggregate_variable(self, gradient):
-        return ops.sign(ops.sum(ops.sign(gradient), axis=0))
+        return ops.sign(batch_sum(ops.sign(gradient)))
 
 
 @_serializable

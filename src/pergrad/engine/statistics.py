@@ -447,6 +447,19 @@ class _Layers:
         del self._materialized[position]
         return grads
 
+    def finite_from_layers(self):
+        """``(flags, variable indices)``: the rules' finiteness checks from ``A`` and ``D``
+        (:meth:`~pergrad.layer_rules.LayerRule.all_finite`) and the variables they cover."""
+        flags, covered = [], set()
+        for position, call in enumerate(self.plan.calls):
+            if self.shared[position] or call.fallback:
+                continue
+            flag = call.rule.all_finite(call.layer, self.inputs[position], self.deltas[position])
+            if flag is not None:
+                flags.append(flag)
+                covered.update(self.index_of[id(v)] for v in call.variables)
+        return flags, covered
+
     def mapped(self, rows, variables, batch_size, pieces=1):
         """``(k, J x variable k's gradients)``: the row map applied to every variable's
         per-example gradients (``rows`` ``None``: the identity), one call at a time, so

@@ -114,8 +114,9 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         stats, rows, size = None, None, batch_size
         if any(step.map_reads_statistics for step in steps):
             stats = ExampleStatistics(layers.squared_norms(batch_size))
-            # Every example's gradient is finite iff its norms are (as the materialized
-            # path checks before the steps drop or rescale any example).
+            # Every example counts, also those a step drops or scales to zero: its gradient
+            # is finite if its norms are (a squared norm also overflows for entries above
+            # ~1e19, which the materialized path would let through: a louder failure).
             finite.append(ops.all(ops.isfinite(stats.squared_norms)))
         for step in steps:
             mapping = step.row_map(stats, size)
@@ -126,9 +127,12 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         pieces = 1
         if microbatch_size is not None and final.coordinatewise and isinstance(batch_size, int):
             pieces = -(-batch_size // microbatch_size)
+        flags, covered = layers.finite_from_layers()
+        finite.extend(flags)
         parts = [[] for _ in variables]
         for k, gradients in layers.mapped(rows, variables, size, pieces):
-            finite.append(ops.all(ops.isfinite(gradients)))
+            if k not in covered:
+                finite.append(ops.all(ops.isfinite(gradients)))
             parts[k].append(ops.cast(final.aggregate_variable(gradients), variables[k].dtype))
         result = [p[0] if len(p) == 1 else ops.concatenate(p, axis=0) for p in parts]
     aux = statistics._finish_aux(problem, aux, non_trainable)

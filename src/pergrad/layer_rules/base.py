@@ -174,6 +174,12 @@ class LayerRule:
         grads = self.per_example(layer, values, inputs, delta)
         return [rows.apply(g, k) for g, k in zip(grads, columns)]
 
+    def all_finite(self, layer, inputs, delta):
+        """Whether every example's gradient of the rule's variables is finite, as a scalar
+        boolean computed from ``A`` and ``D`` alone, or ``None`` when that takes the
+        gradients themselves (the streaming path then checks what it forms)."""
+        return None
+
     def mapped_pieces(self, layer, values, inputs, delta, rows, columns, pieces: int):
         """:meth:`mapped` in up to ``pieces`` parts per variable, to bound memory.
 

@@ -78,6 +78,16 @@ class DenseRule(PreActivationRule):
                 out.append(ops.einsum("bni,bno->bio", a, weighted))
         return out
 
+    def all_finite(self, layer, inputs, delta):
+        finite = ops.all(ops.isfinite(delta))
+        if len(inputs.shape) != 2 or "kernel" not in self._parts(layer):
+            return None if len(inputs.shape) != 2 else finite
+        # Exact for a_i ⊗ d_i: a non-finite entry of a_i or d_i makes a row or column of
+        # the outer product non-finite, and with both finite its largest entry is
+        # max|a_i| max|d_i|, which overflows exactly when some entry does.
+        largest = ops.max(ops.abs(inputs), axis=1) * ops.max(ops.abs(delta), axis=1)
+        return finite & ops.all(ops.isfinite(inputs)) & ops.all(ops.isfinite(largest))
+
     def mapped_pieces(self, layer, values, inputs, delta, rows, columns, pieces: int):
         size = inputs.shape[-1]
         if pieces <= 1 or size is None or "kernel" not in self._parts(layer):
