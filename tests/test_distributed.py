@@ -61,21 +61,37 @@ RULES = {
     "dp_noise_0": lambda: privacy.dp_gaussian(0.5, 0.0, seed=5),
     "dp_noise_1": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5),
 }
+MODEL_PARALLEL = ("median", "krum", "dp_noise_1")
+
+def model_parallel():
+    # Megatron-style: the hidden layer's columns and the output layer's rows over "model".
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices=jax.devices())
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts[".*hidden/kernel"] = (None, "model")
+    layouts[".*hidden/bias"] = ("model",)
+    layouts[".*out/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
 
 def train(rule, replicas):
     distribution = None
-    if replicas is not None:
+    if replicas == "2x2":
+        distribution = model_parallel()
+    elif replicas is not None:
         distribution = keras.distribution.DataParallel(devices=jax.devices()[:replicas])
     keras.distribution.set_distribution(distribution)
     try:
-        problem = problems.dense_mlp(batch=16)
-        model = pergrad.PerExampleModel(problem.model, RULES[rule]())
+        problem = problems.dense_mlp(batch=16)  # its data and loss; layers named for layouts
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, "tanh", name="hidden"),
+                                keras.layers.Dense(3, name="out")])
+        model = pergrad.PerExampleModel(net, RULES[rule]())
         model.compile(optimizer="sgd", loss=problem.loss)
-        initial = problem.model.get_weights()
+        initial = net.get_weights()
         model.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=8,
                   epochs=2, shuffle=False, verbose=0)
-        kernel = problem.model.trainable_variables[0].value
-        return problem.model.get_weights(), initial, len(kernel.sharding.device_set)
+        kernel = net.trainable_variables[0].value
+        spec = str(getattr(kernel.sharding, "spec", None))
+        return net.get_weights(), initial, spec, len(kernel.sharding.device_set)
     finally:
         keras.distribution.set_distribution(None)
 
@@ -85,12 +101,13 @@ def difference(a, b):
 report = {"devices": len(jax.devices()), "differences": {}, "placed_on": {}}
 single = {}
 for rule in RULES:
-    single[rule], initial, _ = train(rule, None)
+    single[rule], initial, _, _ = train(rule, None)
     report.setdefault("moved", {})[rule] = difference(single[rule], initial)
-    for replicas in (1, 2, 4):
-        weights, _, placed = train(rule, replicas)
+    # 2x2: ModelParallel, the kernels sharded over "model", the batch over "batch".
+    for replicas in (1, 2, 4) + (("2x2",) if rule in MODEL_PARALLEL else ()):
+        weights, _, spec, placed = train(rule, replicas)
         report["differences"][f"{rule}/{replicas}"] = difference(weights, single[rule])
-        report["placed_on"][f"{rule}/{replicas}"] = placed
+        report["placed_on"][f"{rule}/{replicas}"] = [spec, placed]
 report["noise"] = difference(single["dp_noise_1"], single["dp_noise_0"])
 print(json.dumps(report))
 """
@@ -99,14 +116,17 @@ print(json.dumps(report))
 @_only("jax")
 def test_jax_data_parallel_trains_as_one_device():
     # XLA's SPMD partitioner keeps the global semantics of the step: the median's
-    # and Krum's gathers, one DP noise drawn from the shared seed.
+    # and Krum's gathers, one DP noise drawn from the shared seed; also with the
+    # kernels sharded (ModelParallel on a 2 x 2 mesh) for three rule kinds.
     report = _run(
         _JAX_DATA_PARALLEL, "jax",
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
     )
     assert report["devices"] == 4
-    for key, placed in report["placed_on"].items():  # the distribution was in effect
-        assert placed == int(key.split("/")[1]), (key, placed)
+    for key, (spec, placed) in report["placed_on"].items():  # the distribution was in effect
+        sharded = key.endswith("/2x2")
+        assert placed == (4 if sharded else int(key.split("/")[1])), (key, placed)
+        assert ("'model'" in spec) == sharded, (key, spec)
     assert min(report["moved"].values()) > 1e-3, report["moved"]
     # The noise is on (it moves the weights 100x the tolerance), the same for every R.
     assert report["noise"] > 1e-3, report["noise"]
