@@ -176,6 +176,10 @@ for rule in RULES:
     calls = {
         "fit": lambda: model.fit(problem.x, problem.y, batch_size=8, epochs=1, verbose=0),
         "train_on_batch": lambda: model.train_on_batch(problem.x[:8], problem.y[:8]),
+        # A custom loop: train_step in each replica's context.
+        "strategy.run": lambda: two.run(
+            tf.function(model.train_step), args=((problem.x[:8], problem.y[:8]),)
+        ),
     }
     for call, run in calls.items():
         try:
