@@ -120,7 +120,8 @@ def test_jax_data_parallel_trains_as_one_device():
     # kernels sharded (ModelParallel on a 2 x 2 mesh) for three rule kinds.
     report = _run(
         _JAX_DATA_PARALLEL, "jax",
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+        # CPU devices even where an accelerator is present: four of them.
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"},
     )
     assert report["devices"] == 4
     for key, (spec, placed) in report["placed_on"].items():  # the distribution was in effect
