@@ -14,6 +14,13 @@ from pergrad.engine import PerExampleProblem, check_model, mean_reduced
 # JAX's stateless train_step(state, data) or TF's and torch's train_step(data).
 _TrainStep = trainers.for_backend(keras.backend.backend())
 
+#: What runs several replicas of the train step, per backend (for error messages).
+_REPLICA_ENGINES = {
+    "tensorflow": "a tf.distribute strategy",
+    "torch": "a torch.distributed process group (Keras's torch fit() does not "
+    "synchronize gradients across processes)",
+}
+
 
 @keras.saving.register_keras_serializable(package="pergrad")
 class PerExampleModel(_TrainStep, keras.Model):
@@ -124,7 +131,26 @@ class PerExampleModel(_TrainStep, keras.Model):
         if self.model.built:
             check_model(self.model, training=True)
         self._check_trainable_unchanged()
+        self._check_single_replica()
         return super().make_train_function(force)
+
+    def _check_single_replica(self):
+        """Refuses a step that each of several replicas would run on its own part of
+        the batch (docs/architecture.md, 'Multi-device training')."""
+        count = adapter().replicas(self)
+        if count <= 1:
+            return
+        engine = _REPLICA_ENGINES.get(keras.backend.backend(), "a distribution")
+        raise ValueError(
+            f"PerExampleModel cannot train under {engine} with {count} replicas: each "
+            "replica would aggregate only its own part of the batch (a median of "
+            "local medians, Krum or clipping over a shard, DP noise drawn on every "
+            "replica) and the optimizer would combine those, which is not the "
+            f"aggregator ({type(self.aggregator).__name__}) applied to the whole batch. "
+            "Train on one device (or a "
+            "single-replica strategy), or use the JAX backend with "
+            "keras.distribution.DataParallel, which keeps single-device results exactly."
+        )
 
     def _trainable_flags(self):
         return [(layer, layer.trainable) for layer in compat.flatten_layers(self.model, include_self=True)]

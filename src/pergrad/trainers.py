@@ -71,6 +71,8 @@ class StatefulTrainStep:
     """TensorFlow and torch: ``train_step(data)`` that assigns the variables."""
 
     def train_step(self, data):
+        # Also here for custom loops (a replica context of `strategy.run`).
+        self._check_single_replica()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x = self._check_batch(x, y)
         variables = self.model.non_trainable_variables

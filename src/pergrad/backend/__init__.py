@@ -25,6 +25,10 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
   signature: ``tf.function``, ``jax.jit``; on torch, eager with detached results.
 - ``scan(f, init, xs)`` (TF, JAX): ``jax.lax.scan`` in the graph, for
   ``pergrad.engine.chunked``; torch sets ``EAGER_LOOPS`` and is looped in Python.
+- ``replicas(model)``: how many replicas each run the train step on their own
+  part of the batch (a ``tf.distribute`` strategy's replicas in sync, a
+  ``torch.distributed`` world size; 1 on JAX, whose ``keras.distribution``
+  partitions one global program); ``PerExampleModel`` refuses more than 1.
 - ``random_state()`` / ``set_random_state(state)``: the global generators that
   torch's unseeded random layers draw from (``None`` elsewhere), so that a
   chunk recomputed by ``pergrad.engine.chunked`` draws the same dropout masks.

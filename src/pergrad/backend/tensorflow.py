@@ -246,3 +246,18 @@ def grad_with_aux(fn, params):
             "TensorFlow cannot differentiate the vectorized forward pass of this model "
             f"({type(error).__name__}: {str(error).strip().splitlines()[-1]})"
         ) from error
+
+
+def replicas(model=None):
+    """Replicas that each run the train step on their own part of the batch.
+
+    ``num_replicas_in_sync`` of the replica context when in one (a custom loop's
+    ``strategy.run``), else of the strategy ``fit()`` runs under (the model's,
+    Keras's ``distribute_strategy``, or the current one); 1 without a strategy.
+    ``MultiWorkerMirroredStrategy`` counts the replicas of every worker.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+        return int(context.num_replicas_in_sync)
+    strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+    return int(strategy.num_replicas_in_sync)

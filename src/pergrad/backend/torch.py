@@ -137,3 +137,16 @@ def grad_with_aux(fn, params):
         grads = torch.autograd.grad(value, params, allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
     return grads, _detach(aux)
+
+
+def replicas(model=None):
+    """The world size of an initialized ``torch.distributed`` process group, else 1.
+
+    Keras's torch ``fit()`` never synchronizes gradients across processes: with
+    several, each would train on its own data.
+    """
+    del model
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return int(distributed.get_world_size())
+    return 1

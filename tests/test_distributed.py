@@ -1,0 +1,264 @@
+"""Several devices: single-device results, or a clear refusal (docs/architecture.md,
+'Multi-device training').
+
+Each test runs a small script in a fresh Python process, because the device count
+is fixed before the backend is imported (``--xla_force_host_platform_device_count``
+for JAX, logical CPU devices for TensorFlow) and torch needs a process per rank.
+Each runs once, in the pytest session of its backend (the others skip it, saying
+so): a fresh JAX process costs its start-up and a compile per rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BACKEND
+
+TESTS = pathlib.Path(__file__).resolve().parent
+SOURCE = TESTS.parent / "src"
+
+
+def _run(script: str, backend: str, *args: str, env: dict | None = None, timeout: int = 600):
+    """Runs ``script`` in a fresh process; returns the JSON of its last output line."""
+    environment = dict(os.environ, KERAS_BACKEND=backend, **(env or {}))
+    environment["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(SOURCE), str(TESTS), os.environ.get("PYTHONPATH")])
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=environment, capture_output=True, text=True, timeout=timeout,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _only(backend: str):
+    return pytest.mark.skipif(
+        BACKEND != backend,
+        reason=f"runs its own {backend} process once, in the KERAS_BACKEND={backend} session",
+    )
+
+
+_JAX_DATA_PARALLEL = """
+import json
+import jax, keras, numpy as np
+import pergrad, problems
+from pergrad import aggregators, privacy
+
+RULES = {
+    "mean": lambda: "mean",
+    "clip": lambda: aggregators.clip(0.5),
+    "median": lambda: "median",  # the streaming path
+    "trimmed_mean": lambda: aggregators.trimmed_mean(0.25),
+    "krum": lambda: aggregators.krum(0.25),
+    "bucketing": lambda: aggregators.bucketing(2, aggregators.median(), seed=3),
+    "dp_noise_0": lambda: privacy.dp_gaussian(0.5, 0.0, seed=5),
+    "dp_noise_1": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5),
+}
+MODEL_PARALLEL = ("median", "krum", "dp_noise_1")
+
+def model_parallel():
+    # Megatron-style: the hidden layer's columns and the output layer's rows over "model".
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices=jax.devices())
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts[".*hidden/kernel"] = (None, "model")
+    layouts[".*hidden/bias"] = ("model",)
+    layouts[".*out/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+
+def train(rule, replicas):
+    distribution = None
+    if replicas == "2x2":
+        distribution = model_parallel()
+    elif replicas is not None:
+        distribution = keras.distribution.DataParallel(devices=jax.devices()[:replicas])
+    keras.distribution.set_distribution(distribution)
+    try:
+        problem = problems.dense_mlp(batch=16)  # its data and loss; layers named for layouts
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, "tanh", name="hidden"),
+                                keras.layers.Dense(3, name="out")])
+        model = pergrad.PerExampleModel(net, RULES[rule]())
+        model.compile(optimizer="sgd", loss=problem.loss)
+        initial = net.get_weights()
+        model.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=8,
+                  epochs=2, shuffle=False, verbose=0)
+        kernel = net.trainable_variables[0].value
+        spec = str(getattr(kernel.sharding, "spec", None))
+        return net.get_weights(), initial, spec, len(kernel.sharding.device_set)
+    finally:
+        keras.distribution.set_distribution(None)
+
+def difference(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+report = {"devices": len(jax.devices()), "differences": {}, "placed_on": {}}
+single = {}
+for rule in RULES:
+    single[rule], initial, _, _ = train(rule, None)
+    report.setdefault("moved", {})[rule] = difference(single[rule], initial)
+    # 2x2: ModelParallel, the kernels sharded over "model", the batch over "batch".
+    for replicas in (1, 2, 4) + (("2x2",) if rule in MODEL_PARALLEL else ()):
+        weights, _, spec, placed = train(rule, replicas)
+        report["differences"][f"{rule}/{replicas}"] = difference(weights, single[rule])
+        report["placed_on"][f"{rule}/{replicas}"] = [spec, placed]
+report["noise"] = difference(single["dp_noise_1"], single["dp_noise_0"])
+print(json.dumps(report))
+"""
+
+
+@_only("jax")
+def test_jax_data_parallel_trains_as_one_device():
+    # XLA's SPMD partitioner keeps the global semantics of the step: the median's
+    # and Krum's gathers, one DP noise drawn from the shared seed; also with the
+    # kernels sharded (ModelParallel on a 2 x 2 mesh) for three rule kinds.
+    report = _run(
+        _JAX_DATA_PARALLEL, "jax",
+        # CPU devices even where an accelerator is present: four of them.
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"},
+    )
+    assert report["devices"] == 4
+    for key, (spec, placed) in report["placed_on"].items():  # the distribution was in effect
+        sharded = key.endswith("/2x2")
+        assert placed == (4 if sharded else int(key.split("/")[1])), (key, placed)
+        assert ("'model'" in spec) == sharded, (key, spec)
+    assert min(report["moved"].values()) > 1e-3, report["moved"]
+    # The noise is on (it moves the weights 100x the tolerance), the same for every R.
+    assert report["noise"] > 1e-3, report["noise"]
+    bad = {key: d for key, d in report["differences"].items() if not d <= 1e-5}
+    assert not bad, bad
+
+
+_TF_MIRRORED = """
+import contextlib, json
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, pergrad, problems
+from pergrad import aggregators
+
+RULES = {"mean": lambda: "mean", "clip": lambda: aggregators.clip(0.5),
+         "median": lambda: "median"}
+
+def build(rule, strategy):
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        problem = problems.dense_mlp(batch=16)
+        model = pergrad.PerExampleModel(problem.model, RULES[rule]())
+        model.compile(optimizer="sgd", loss=problem.loss)
+    return problem, model
+
+def train(rule, strategy):
+    problem, model = build(rule, strategy)
+    history = model.fit(problem.x, problem.y, sample_weight=problem.sample_weight,
+                        batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return problem.model.get_weights(), sorted(history.history)
+
+def difference(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+report = {"single": {}, "refused": {}}
+for rule in RULES:
+    alone, logged = train(rule, None)
+    for name, strategy in [("one_device", tf.distribute.OneDeviceStrategy("/cpu:0")),
+                           ("mirrored_1", tf.distribute.MirroredStrategy(["/cpu:0"]))]:
+        weights, logs = train(rule, strategy)
+        report["single"][f"{rule}/{name}"] = [difference(weights, alone), logs == logged]
+
+two = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+for rule in RULES:
+    problem, model = build(rule, two)
+    before = problem.model.get_weights()
+    calls = {
+        "fit": lambda: model.fit(problem.x, problem.y, batch_size=8, epochs=1, verbose=0),
+        "train_on_batch": lambda: model.train_on_batch(problem.x[:8], problem.y[:8]),
+        # A custom loop: train_step in each replica's context.
+        "strategy.run": lambda: two.run(
+            tf.function(model.train_step), args=((problem.x[:8], problem.y[:8]),)
+        ),
+    }
+    for call, run in calls.items():
+        try:
+            run()
+            message = None
+        except ValueError as error:
+            message = str(error)
+        report["refused"][f"{rule}/{call}"] = message
+    report["refused"][f"{rule}/unchanged"] = difference(problem.model.get_weights(), before)
+print(json.dumps(report))
+"""
+
+
+@_only("tensorflow")
+def test_tensorflow_strategies_single_replica_exact_several_refused():
+    # Before: clip (diagnostics on one replica only) raised inside Keras, the median
+    # silently took a median per replica and mean trained; now every rule is refused
+    # with two replicas, and a single-replica strategy trains as no strategy.
+    report = _run(_TF_MIRRORED, "tensorflow")
+    for key, (difference, same_logs) in report["single"].items():
+        assert difference <= 1e-6 and same_logs, (key, difference, same_logs)
+    for key, message in report["refused"].items():
+        if key.endswith("/unchanged"):
+            assert message == 0.0, key  # nothing was updated
+            continue
+        assert message is not None, f"{key} was not refused"
+        assert "tf.distribute strategy with 2 replicas" in message, message
+        assert "keras.distribution.DataParallel" in message, message
+
+
+_TORCH_RANK = """
+import json, sys
+import torch.distributed as dist
+import pergrad, problems
+
+rank, init = int(sys.argv[1]), sys.argv[2]
+
+def fit():
+    problem = problems.dense_mlp()
+    model = pergrad.PerExampleModel(problem.model, "median")
+    model.compile(optimizer="sgd", loss=problem.loss)
+    try:
+        model.fit(problem.x, problem.y, epochs=1, verbose=0)
+        return None
+    except ValueError as error:
+        return str(error)
+
+report = {"alone": fit()}
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+try:
+    report["group"] = fit()
+finally:
+    dist.destroy_process_group()
+print(json.dumps(report))
+"""
+
+
+@_only("torch")
+def test_torch_process_group_refused(tmp_path):
+    # Keras's torch fit() never all-reduces gradients: with a process group of two,
+    # each rank would silently train its own model on its own data.
+    init = (tmp_path / "rendezvous").as_uri()
+    environment = dict(os.environ, KERAS_BACKEND="torch")
+    environment["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(SOURCE), str(TESTS), os.environ.get("PYTHONPATH")])
+    )
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TORCH_RANK, str(rank), init],
+            env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in range(2)
+    ]
+    for process in ranks:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-4000:]
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["alone"] is None  # no process group: trains
+        assert report["group"] is not None, "fit() trained under a process group of two"
+        assert "torch.distributed process group" in report["group"], report
+        assert "with 2 replicas" in report["group"], report
