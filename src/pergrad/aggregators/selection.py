@@ -29,13 +29,15 @@ Non-finite values, the same on every path and as ``numpy``:
 
 from __future__ import annotations
 
+import functools
+
 import keras
 from keras import ops
 
 from pergrad.backend import adapter
 
 # The fastest strategy per backend, from benchmarks/selection.py.
-_STRATEGY = {"tensorflow": "top_k", "jax": "network", "torch": "top_k"}
+_STRATEGY = {"tensorflow": "network", "jax": "network", "torch": "top_k"}
 # Values per column block of the sorting network (1 MiB of float32: stays in cache).
 _BLOCK = 1 << 18
 
@@ -130,8 +132,22 @@ def _network_block(x, lo, hi):
 
 def _rows_network(x, lo, hi, block=None):
     """``block``: values per column block (``None``: ``_BLOCK``; 0: one block)."""
-    b, size = x.shape[0], x.shape[1]
     budget = _BLOCK if block is None else block
+    key = (keras.backend.backend(), lo, hi, budget)
+    if key not in _FUSED:
+        # TensorFlow's graph runs each of the network's many small ops as its own pass over
+        # memory; XLA fuses them (jax.jit does already, torch has nothing comparable).
+        fused = getattr(adapter(), "fused", None)
+        network = functools.partial(_network_blocks, lo=lo, hi=hi, budget=budget)
+        _FUSED[key] = fused(network) if fused else network
+    return _FUSED[key](x)
+
+
+_FUSED = {}
+
+
+def _network_blocks(x, lo, hi, budget):
+    b, size = x.shape[0], x.shape[1]
     block = max(1, budget // b) if budget else size
     if size <= block:
         return _network_block(x, lo, hi)

@@ -25,6 +25,8 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
   signature: ``tf.function``, ``jax.jit``; on torch, eager with detached results.
 - ``scan(f, init, xs)`` (TF, JAX): ``jax.lax.scan`` in the graph, for
   ``pergrad.engine.chunked``; torch sets ``EAGER_LOOPS`` and is looped in Python.
+- ``fused(fn)`` (TF only): ``fn`` compiled by XLA, for
+  ``pergrad.aggregators.selection``'s sorting network.
 - ``random_state()`` / ``set_random_state(state)``: the global generators that
   torch's unseeded random layers draw from (``None`` elsewhere), so that a
   chunk recomputed by ``pergrad.engine.chunked`` draws the same dropout masks.

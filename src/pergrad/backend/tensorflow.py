@@ -246,3 +246,10 @@ def grad_with_aux(fn, params):
             "TensorFlow cannot differentiate the vectorized forward pass of this model "
             f"({type(error).__name__}: {str(error).strip().splitlines()[-1]})"
         ) from error
+
+
+def fused(fn):
+    """``fn`` compiled by XLA (``jit_compile``): for long chains of small elementwise ops
+    (``pergrad.aggregators.selection``'s sorting network), which a plain graph runs one
+    kernel at a time, each a pass over memory."""
+    return tf.function(fn, jit_compile=True, autograph=False)
