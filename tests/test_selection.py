@@ -16,7 +16,7 @@ from pergrad.aggregators import selection
 
 BACKEND = keras.backend.backend()
 STRATEGIES = ("sort", "top_k", "network")
-BATCHES = (1, 2, 3, 4, 5, 8, 13)
+BATCHES = (1, 2, 3, 4, 5, 8, 13, 20)
 
 
 def cases(batch: int, seed: int = 0) -> np.ndarray:
@@ -74,8 +74,10 @@ def run_all(function, x, parameters, reference, strategy):
 
 @pytest.fixture(params=STRATEGIES)
 def strategy(request, monkeypatch):
-    # Blocks of 32 values for the network: the 18 columns take the blocked path, padding included.
+    # Blocks of 32 values for the network: the 18 columns take the blocked path, padding
+    # included, from B = 3 on.
     monkeypatch.setattr(selection, "_BLOCK", 32)
+    monkeypatch.setattr(selection, "_UNBLOCKED_BATCH", 2)
     return request.param
 
 
@@ -123,6 +125,7 @@ def test_under_jax_jit(monkeypatch):
     import jax
 
     monkeypatch.setattr(selection, "_BLOCK", 16)
+    monkeypatch.setattr(selection, "_UNBLOCKED_BATCH", 2)
     x = cases(6)
     median = jax.jit(selection.median)
     trimmed = jax.jit(selection.trimmed_mean, static_argnums=1)
