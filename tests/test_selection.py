@@ -89,12 +89,14 @@ def test_median(batch, strategy):
 
 @pytest.mark.parametrize("batch", BATCHES)
 def test_trimmed_mean(batch, strategy):
-    run_all(selection._trimmed_mean, cases(batch), range((batch + 1) // 2), ref_trimmed_mean, strategy)
+    dropped = sorted({0, 1, batch // 4, (batch - 1) // 2} & set(range((batch + 1) // 2)))
+    run_all(selection._trimmed_mean, cases(batch), dropped, ref_trimmed_mean, strategy)
 
 
 @pytest.mark.parametrize("batch", BATCHES)
 def test_meamed(batch, strategy):
-    run_all(selection._meamed, cases(batch), range(1, batch + 1), ref_meamed, strategy)
+    kept = sorted({1, 2, batch // 2, batch - 1, batch} & set(range(1, batch + 1)))
+    run_all(selection._meamed, cases(batch), kept, ref_meamed, strategy)
 
 
 def test_known_values():
