@@ -190,7 +190,8 @@ def _median(x, strategy):
         ordered = ops.sort(x, axis=0)
         low = ops.take(ordered, (size - 1) // 2, axis=0)
         high = ops.take(ordered, size // 2, axis=0)
-        return _with_nan(x, (low + high) / 2)
+        # Odd B: the middle value itself (twice it could overflow).
+        return _with_nan(x, ops.where(size % 2 == 1, high, (low + high) / 2))
     if b == 1:
         return x[0]
     total = _rank_sum(x, (b - 1) // 2, b // 2 + 1, strategy)
@@ -211,6 +212,20 @@ def _trimmed_mean(x, dropped, strategy):
     return _with_nan(x, total / (b - 2 * dropped))
 
 
+def _running_count(mask):
+    """How many entries are true up to each position along axis 0 (an inclusive prefix sum)."""
+    counts = ops.cast(mask, "int32")
+    size = counts.shape[0]
+    if size is None:
+        return ops.cumsum(counts, axis=0)
+    # log2(B) shifted additions: XLA:CPU's cumsum over a short axis is slower than a sort.
+    shift = 1
+    while shift < size:
+        counts = counts + ops.concatenate([ops.zeros_like(counts[:shift]), counts[:-shift]], 0)
+        shift *= 2
+    return counts
+
+
 def _meamed(x, kept, strategy):
     b = _static_batch(x)
     middle = _median(x, strategy)
@@ -227,9 +242,7 @@ def _meamed(x, kept, strategy):
     nearer = distances < threshold[None]
     tied = distances == threshold[None]
     missing = kept - ops.sum(ops.cast(nearer, "int32"), axis=0)
-    taken = ops.logical_or(
-        nearer, ops.logical_and(tied, ops.cumsum(ops.cast(tied, "int32"), axis=0) <= missing[None])
-    )
+    taken = ops.logical_or(nearer, ops.logical_and(tied, _running_count(tied) <= missing[None]))
     total = ops.sum(ops.where(taken, x, ops.zeros_like(x)), axis=0)
     # NaN where the median is (a NaN among the values, or middle values -inf and +inf).
     return ops.where(ops.isnan(middle), middle, total / ops.cast(kept, x.dtype))
