@@ -655,7 +655,7 @@ class Skipped(Exception):
 
 
 #: recipes whose train step aggregates with RECIPE_AGGREGATE (hand-written keras.ops)
-HAND_AGGREGATED = ("jacobian", "vmap", "proto")
+HAND_AGGREGATED = ("jacobian", "vmap")
 #: the Opacus anchor: torch-native equivalents of these model kinds only
 OPACUS_KINDS = ("mlp", "cnn")
 
@@ -704,10 +704,6 @@ def make_variant(name: str, kind: str):
             path = {"pergrad": "auto", "pergrad-mat": "materialized", "pergrad-stats": "statistics"}
             kwargs = {"path": path[recipe]} if HAS_PATH else {}
             model = pergrad.PerExampleModel(inner, pergrad_aggregator(aggregation), **kwargs)
-        elif recipe == "proto":  # engine changes prototyped in benchmarks/prototypes.py
-            import prototypes
-
-            model = prototypes.prototype_model(inner, aggregation)
         else:
             model = Recipe(inner, recipe, aggregation)
     model.compile(optimizer=new_optimizer(), loss=new_loss())
@@ -1192,8 +1188,8 @@ def main(argv=None):
                         + ",".join(a for a in AGGREGATIONS if a not in DEFAULT_AGGREGATIONS) + ")")
     parser.add_argument("--recipes", default=",".join(default_recipes()),
                         help="jacobian, vmap, pergrad, pergrad-mat and pergrad-stats (where "
-                        "PerExampleModel has path=), opacus (torch, if installed); proto "
-                        "(median): benchmarks/prototypes.py (default %(default)s)")
+                        "PerExampleModel has path=), opacus (torch, if installed) "
+                        "(default %(default)s)")
     parser.add_argument("--variants", default=None,
                         help="explicit comma list of variants, e.g. 'plain,vmap clip,pergrad clip'")
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default 7, quick 2)")

@@ -7,6 +7,7 @@ import math
 import keras
 from keras import ops
 
+from pergrad.aggregators import selection
 from pergrad.aggregators.base import (
     CoordinateAggregator,
     ExampleStatistics,
@@ -59,7 +60,7 @@ class Median(CoordinateAggregator):
     coordinatewise = True
 
     def aggregate_variable(self, gradient):
-        return ops.median(gradient, axis=0)
+        return selection.median(gradient)
 
 
 @_serializable
@@ -92,9 +93,7 @@ class TrimmedMean(CoordinateAggregator):
 
     def aggregate_variable(self, gradient):
         batch_size = ops.shape(gradient)[0]
-        dropped = self._dropped(batch_size)
-        kept = ops.sort(gradient, axis=0)[dropped : batch_size - dropped]
-        return ops.mean(kept, axis=0)
+        return selection.trimmed_mean(gradient, self._dropped(batch_size))
 
     def get_config(self):
         return {**super().get_config(), "trim": self.trim}

@@ -19,6 +19,7 @@ import math
 import keras
 from keras import ops
 
+from pergrad.aggregators import selection
 from pergrad.aggregators.base import (
     ARBITRARY,
     Aggregator,
@@ -81,13 +82,7 @@ class MeaMed(CoordinateAggregator):
 
     def aggregate_variable(self, gradient):
         batch_size = ops.shape(gradient)[0]
-        kept = batch_size - _count(self.byzantine, batch_size)
-        median = ops.median(gradient, axis=0)
-        order = ops.argsort(ops.abs(gradient - median[None]), axis=0)
-        nearest = ops.take_along_axis(gradient, order, axis=0)
-        rows = ops.reshape(ops.arange(batch_size), (-1,) + (1,) * (len(gradient.shape) - 1))
-        total = ops.sum(ops.where(rows < kept, nearest, ops.zeros_like(nearest)), axis=0)
-        return total / ops.cast(kept, gradient.dtype)
+        return selection.meamed(gradient, batch_size - _count(self.byzantine, batch_size))
 
     def get_config(self):
         return {**super().get_config(), "byzantine": self.byzantine}

@@ -29,6 +29,8 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
   part of the batch (a ``tf.distribute`` strategy's replicas in sync, a
   ``torch.distributed`` world size; 1 on JAX, whose ``keras.distribution``
   partitions one global program); ``PerExampleModel`` refuses more than 1.
+- ``fused(fn)`` (TF only): ``fn`` compiled by XLA, for
+  ``pergrad.aggregators.selection``'s sorting network.
 - ``random_state()`` / ``set_random_state(state)``: the global generators that
   torch's unseeded random layers draw from (``None`` elsewhere), so that a
   chunk recomputed by ``pergrad.engine.chunked`` draws the same dropout masks.

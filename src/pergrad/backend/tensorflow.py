@@ -261,3 +261,10 @@ def replicas(model=None):
         return int(context.num_replicas_in_sync)
     strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
     return int(strategy.num_replicas_in_sync)
+
+
+def fused(fn):
+    """``fn`` compiled by XLA (``jit_compile``): for long chains of small elementwise ops
+    (``pergrad.aggregators.selection``'s sorting network), which a plain graph runs one
+    kernel at a time, each a pass over memory."""
+    return tf.function(fn, jit_compile=True, autograph=False)
