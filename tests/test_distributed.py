@@ -139,17 +139,34 @@ _TF_MIRRORED = """
 import contextlib, json
 import numpy as np, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
 import keras, pergrad, problems
-from pergrad import aggregators
+from pergrad import aggregators, privacy
 
-RULES = {"mean": lambda: "mean", "clip": lambda: aggregators.clip(0.5),
-         "median": lambda: "median"}
+RULES = {
+    "mean": lambda: "mean",
+    "sum": lambda: "sum",  # with an L2 regularizer: its gradient added once
+    "clip": lambda: aggregators.clip(0.5),
+    "clip_per_layer": lambda: aggregators.clip(0.5, per_layer=True),
+    "automatic_clip": lambda: aggregators.automatic_clip(),
+    "dp_noise_0": lambda: privacy.dp_gaussian(0.5, 0.0, seed=5, diagnostics=True),
+    "dp_noise_1": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5),
+    # Divides by a constant, not the batch size; the materialized path.
+    "dp_expected": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5, expected_batch_size=7.0),
+    "median": lambda: "median",
+    "krum": lambda: aggregators.krum(0.25),
+    "bucketing": lambda: aggregators.bucketing(2, aggregators.median(), seed=3),
+    "centered_clip": lambda: aggregators.centered_clip(1.0),
+}
+EXACT = ("mean", "sum", "clip", "clip_per_layer", "automatic_clip", "dp_noise_0", "dp_noise_1",
+         "dp_expected")
+FOUR = ("clip", "dp_noise_1")
 
-def build(rule, strategy):
+def build(rule, strategy, make=None):
     with strategy.scope() if strategy else contextlib.nullcontext():
-        problem = problems.dense_mlp(batch=16)
-        model = pergrad.PerExampleModel(problem.model, RULES[rule]())
+        problem = make() if make else problems.dense_mlp(batch=16, l2=0.05 if rule == "sum" else None)
+        path = "materialized" if rule == "dp_expected" else "auto"
+        model = pergrad.PerExampleModel(problem.model, RULES[rule](), path=path)
         model.compile(optimizer="sgd", loss=problem.loss)
     return problem, model
 
@@ -157,58 +174,97 @@ def train(rule, strategy):
     problem, model = build(rule, strategy)
     history = model.fit(problem.x, problem.y, sample_weight=problem.sample_weight,
                         batch_size=8, epochs=2, shuffle=False, verbose=0)
-    return problem.model.get_weights(), sorted(history.history)
+    spread = max(  # between the replicas' copies of each weight
+        float(np.max(np.abs(parts[0].numpy() - part.numpy())))
+        for parts in (getattr(v.value, "values", (v.value,)) for v in problem.model.weights)
+        for part in parts
+    )
+    return problem.model.get_weights(), {k: v[-1] for k, v in history.history.items()}, spread
 
 def difference(a, b):
     return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
 
-report = {"single": {}, "refused": {}}
-for rule in RULES:
-    alone, logged = train(rule, None)
+def log_difference(a, b):
+    return max(abs(a[k] - b[k]) for k in a) if sorted(a) == sorted(b) else float("inf")
+
+report = {"single": {}, "several": {}, "refused": {}, "moved": {}}
+alone = {}
+for rule in ("mean", "clip", "median"):
+    weights, logs, _ = train(rule, None)
     for name, strategy in [("one_device", tf.distribute.OneDeviceStrategy("/cpu:0")),
                            ("mirrored_1", tf.distribute.MirroredStrategy(["/cpu:0"]))]:
-        weights, logs = train(rule, strategy)
-        report["single"][f"{rule}/{name}"] = [difference(weights, alone), logs == logged]
+        other, other_logs, _ = train(rule, strategy)
+        report["single"][f"{rule}/{name}"] = [difference(other, weights), sorted(other_logs) == sorted(logs)]
 
 two = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-for rule in RULES:
-    problem, model = build(rule, two)
+# Collective ops of another group size in the same process clash (TF): reduce on one device.
+four = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)],
+                                      cross_device_ops=tf.distribute.ReductionToOneDevice())
+for rule in EXACT:
+    alone[rule], logs, _ = train(rule, None)
+    report["moved"][rule] = difference(alone[rule], build(rule, None)[0].model.get_weights())
+    for replicas, strategy in [(2, two)] + ([(4, four)] if rule in FOUR else []):
+        weights, other_logs, spread = train(rule, strategy)
+        report["several"][f"{rule}/{replicas}"] = [
+            difference(weights, alone[rule]), log_difference(other_logs, logs), spread]
+report["noise"] = difference(alone["dp_noise_1"], alone["dp_noise_0"])
+
+refused = [(rule, None) for rule in ("median", "krum", "bucketing", "centered_clip")]
+refused += [("mean", lambda: problems.dense_mlp(batch=16, dropout=0.2)),
+            ("clip", lambda: problems.masked_dense(batch=16))]
+for rule, make in refused:
+    problem, model = build(rule, two, make)
     before = problem.model.get_weights()
-    calls = {
-        "fit": lambda: model.fit(problem.x, problem.y, batch_size=8, epochs=1, verbose=0),
-        "train_on_batch": lambda: model.train_on_batch(problem.x[:8], problem.y[:8]),
-        # A custom loop: train_step in each replica's context.
-        "strategy.run": lambda: two.run(
-            tf.function(model.train_step), args=((problem.x[:8], problem.y[:8]),)
-        ),
-    }
+    calls = {"fit": lambda: model.fit(problem.x, problem.y, batch_size=8, epochs=1, verbose=0)}
+    if rule == "median" and make is None:
+        calls.update({
+            "train_on_batch": lambda: model.train_on_batch(problem.x[:8], problem.y[:8]),
+            # A custom loop: train_step in each replica's context.
+            "strategy.run": lambda: two.run(
+                tf.function(model.train_step), args=((problem.x[:8], problem.y[:8]),)
+            ),
+        })
+    key = rule if make is None else problem.name
     for call, run in calls.items():
         try:
             run()
             message = None
         except ValueError as error:
             message = str(error)
-        report["refused"][f"{rule}/{call}"] = message
-    report["refused"][f"{rule}/unchanged"] = difference(problem.model.get_weights(), before)
+        report["refused"][f"{key}/{call}"] = message
+    report["refused"][f"{key}/unchanged"] = difference(problem.model.get_weights(), before)
 print(json.dumps(report))
 """
 
 
 @_only("tensorflow")
-def test_tensorflow_strategies_single_replica_exact_several_refused():
-    # Before: clip (diagnostics on one replica only) raised inside Keras, the median
-    # silently took a median per replica and mean trained; now every rule is refused
-    # with two replicas, and a single-replica strategy trains as no strategy.
+def test_tensorflow_mirrored_strategy_exact_rules_and_refusals():
+    # Before: clip, automatic clipping and DP raised inside Keras (diagnostics on one
+    # replica only), the median took a median per replica; then every rule was refused
+    # on two replicas. Now mean, sum, clipping and DP-SGD (noise 0 and on) train as one
+    # device on 2 and 4 replicas, logs included; the rest is refused, a
+    # single-replica strategy trains as no strategy.
     report = _run(_TF_MIRRORED, "tensorflow")
     for key, (difference, same_logs) in report["single"].items():
         assert difference <= 1e-6 and same_logs, (key, difference, same_logs)
+    assert min(report["moved"].values()) > 1e-3, report["moved"]
+    assert report["noise"] > 1e-3, report["noise"]  # the noise is on
+    assert len(report["several"]) == 10, report["several"]
+    for key, (difference, logs, spread) in report["several"].items():
+        # Same weights and logs (loss, clipped_fraction, gradient_norm) as one device;
+        # the replicas' copies identical (one noise, added once).
+        assert difference <= 1e-5 and logs <= 1e-5 and spread == 0.0, (key, difference, logs, spread)
     for key, message in report["refused"].items():
         if key.endswith("/unchanged"):
             assert message == 0.0, key  # nothing was updated
             continue
         assert message is not None, f"{key} was not refused"
+        if key.startswith("masked_dense"):
+            assert "masked output on several replicas" in message, message
+            continue
         assert "tf.distribute strategy with 2 replicas" in message, message
         assert "keras.distribution.DataParallel" in message, message
+    assert "draws random numbers" in report["refused"]["dense_mlp/fit"]
 
 
 _TORCH_RANK = """

@@ -6,7 +6,7 @@ import keras
 from keras import ops, tree
 
 from pergrad import aggregators as aggregators_module
-from pergrad import compat, step, trainers
+from pergrad import compat, replicas, step, trainers
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
 from pergrad.engine import PerExampleProblem, check_model, mean_reduced
@@ -137,15 +137,18 @@ class PerExampleModel(_TrainStep, keras.Model):
     def _check_single_replica(self):
         """Refuses a step that each of several replicas would run on its own part of
         the batch (docs/architecture.md, 'Multi-device training')."""
-        count = adapter().replicas(self)
+        count = replicas.count(self)
         if count <= 1:
+            return
+        reason = replicas.refusal(self)
+        if reason is None:  # mean, sum, clipping, DP-SGD on TF: exact (pergrad.replicas)
             return
         engine = _REPLICA_ENGINES.get(keras.backend.backend(), "a distribution")
         raise ValueError(
-            f"PerExampleModel cannot train under {engine} with {count} replicas: each "
-            "replica would aggregate only its own part of the batch (a median of "
-            "local medians, Krum or clipping over a shard, DP noise drawn on every "
-            "replica) and the optimizer would combine those, which is not the "
+            f"PerExampleModel cannot train under {engine} with {count} replicas: "
+            f"{reason}. Each replica would aggregate only its own part of the batch (a "
+            "median of local medians, Krum over a shard) and the optimizer would combine "
+            "those, which is not the "
             f"aggregator ({type(self.aggregator).__name__}) applied to the whole batch. "
             "Train on one device (or a "
             "single-replica strategy), or use the JAX backend with "
@@ -283,6 +286,11 @@ class PerExampleModel(_TrainStep, keras.Model):
             # Refuses example-mixing layers and an accountant that does not match the
             # sampler or the rule; warns without Poisson sampling.
             check_dp_fit(self, x, callbacks)
+        if isinstance(x, PoissonSampler) and replicas.count(self) > 1:
+            raise ValueError(
+                "PoissonSampler is not supported on several replicas: its batches are drawn "
+                "for the whole model, not per replica's shard. Train on one replica."
+            )
         if isinstance(x, PoissonSampler):
             # Draws follow the step count restored by BackupAndRestore (after it).
             if len(args) > 3:  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import keras
 from keras import ops, tree
 
-from pergrad import compat
+from pergrad import compat, replicas
 from pergrad.aggregators.base import STATISTICS, check_result, zero_non_finite_examples
 from pergrad.engine import chunked, statistics, streaming
 
@@ -92,6 +92,10 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     private = getattr(aggregator, "differentially_private", False)
     path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
     per_example = None
+    share = None
+    if replicas.count(wrapper) > 1:
+        # This replica's share of the single-device result (pergrad.replicas).
+        share = replicas.batch_share(aggregator, ops.shape(tree.flatten(x)[0])[0])
     if path == STATISTICS_PATH:
         try:
             if chunked.supports(aggregator):
@@ -136,10 +140,21 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
         from pergrad.privacy.dp_sgd import refuse_masked_output
 
         refuse_masked_output()
+    if replicas.count(wrapper) > 1 and "mask" in aux:
+        raise ValueError(
+            "PerExampleModel cannot train a model with a masked output on several replicas: "
+            "Keras divides a masked loss by the unmasked steps of the whole batch, which a "
+            "replica's shard does not know. Give padding steps sample weight 0 instead of a "
+            "mask, or train on one replica."
+        )
     result = check_result(result, wrapper.model.trainable_variables, aggregator.name)
     wrapper.__dict__["_pending_reports"] = aggregator.pop_reports()
+    if share is not None:  # this replica's share of the single-device result
+        result = [g * ops.cast(share, g.dtype) for g in result]
     _, regularization = problem.regularization(trainable_values)
     if regularization is not None:
+        # Batch-level: once in the replicas' sum.
+        regularization = [replicas.first_replica(r) for r in regularization]
         result = [g + ops.cast(r, g.dtype) for g, r in zip(result, regularization)]
     nan = ops.convert_to_tensor(float("nan"))
     # A weighted sum of per-example gradients is already non-finite when one

@@ -83,14 +83,22 @@ class StatefulTrainStep:
             y,
             sample_weight,
         )
+        # Each replica's own (under tf.distribute the replicas' threads take turns
+        # at every collective, the optimizer's included).
+        reports = self.__dict__.pop("_pending_reports", None)
         for position, state_value in zip(self._problem().seed_positions, seeds):
             variables[position].assign(state_value)
         # The logged loss is the one plain Keras reports for this batch
-        # (before the update, with the same predictions).
-        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        # (before the update, with the same predictions; without the 1 / R
+        # Keras's losses carry under a strategy with R replicas, as Keras logs it).
+        loss = adapter().unscale_loss(
+            self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        )
         compat.loss_tracker(self).update_state(loss, sample_weight=ops.shape(tree.flatten(x)[0])[0])
         with adapter().no_grad(after=x):  # after the batch check (TF graphs)
             self.optimizer.apply(grads, self.model.trainable_variables)
+        if reports is not None:
+            self.__dict__["_pending_reports"] = reports
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 

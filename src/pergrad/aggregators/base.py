@@ -20,6 +20,7 @@ saved by ``model.save()`` and restored by ``keras.models.load_model()``.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -186,11 +187,12 @@ class Aggregator(keras.layers.Layer):
         """Records a diagnostic value (a scalar) of the current call."""
         if name not in self.diagnostics:
             raise ValueError(f"{name!r} is not one of {type(self).__name__}.diagnostics.")
-        self._reports[name] = value
+        # Per thread: tf.distribute traces each replica's step in its own thread,
+        # and they take turns at every collective between a report and its pop.
+        self._reports.setdefault(threading.get_ident(), {})[name] = value
 
     def pop_reports(self) -> dict:
-        reports, self._reports = self._reports, {}
-        return reports
+        return self._reports.pop(threading.get_ident(), {})
 
     def compute_output_spec(self, gradients):
         return [keras.KerasTensor(g.shape[1:], g.dtype) for g in gradients]

@@ -7,6 +7,7 @@ import math
 import keras
 from keras import ops
 
+from pergrad import replicas
 from pergrad.aggregators import selection
 from pergrad.aggregators.base import (
     CoordinateAggregator,
@@ -132,7 +133,8 @@ class Clip(ScaledMean):
     def clip_factors(self, stats: ExampleStatistics):
         squared = stats.squared_norms if self.per_layer else stats.flat_squared_norms
         norms = ops.sqrt(squared)
-        self.report("clipped_fraction", ops.mean(ops.cast(norms > self.l2_norm, "float32")))
+        # Over the whole batch on every replica (tf.distribute merges their logs).
+        self.report("clipped_fraction", replicas.global_mean(ops.cast(norms > self.l2_norm, "float32")))
         return self.l2_norm / ops.maximum(norms, self.l2_norm)
 
     def example_scales(self, stats: ExampleStatistics):

@@ -28,7 +28,12 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
 - ``replicas(model)``: how many replicas each run the train step on their own
   part of the batch (a ``tf.distribute`` strategy's replicas in sync, a
   ``torch.distributed`` world size; 1 on JAX, whose ``keras.distribution``
-  partitions one global program); ``PerExampleModel`` refuses more than 1.
+  partitions one global program); ``PerExampleModel`` refuses more than 1
+  except for the rules ``pergrad.replicas`` makes exact on TensorFlow.
+- ``replica_id()``, ``all_reduce_sum(value)``: this replica's index and a sum
+  over the replicas in sync (0 and ``value`` outside ``strategy.run``, and on
+  JAX and torch); ``unscale_loss(loss)``: undoes the ``1 / R`` that Keras's
+  mean-reduced losses carry under a TF strategy with R replicas.
 - ``fused(fn)`` (TF only): ``fn`` compiled by XLA, for
   ``pergrad.aggregators.selection``'s sorting network.
 - ``random_state()`` / ``set_random_state(state)``: the global generators that

@@ -74,3 +74,18 @@ def replicas(model=None):
     no replica runs the step on its own part of the batch."""
     del model
     return 1
+
+
+def replica_id():
+    """0: no replica runs the train step on its own part of the batch."""
+    return 0
+
+
+def all_reduce_sum(value):
+    """``value``: a single replica."""
+    return value
+
+
+def unscale_loss(loss):
+    """``loss``: Keras scales losses for replicas on TensorFlow only."""
+    return loss

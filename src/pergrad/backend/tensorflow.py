@@ -268,3 +268,34 @@ def fused(fn):
     (``pergrad.aggregators.selection``'s sorting network), which a plain graph runs one
     kernel at a time, each a pass over memory."""
     return tf.function(fn, jit_compile=True, autograph=False)
+
+
+def _replica_context():
+    """The replica context of a step that runs once per replica (``strategy.run``), else ``None``."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync <= 1:
+        return None
+    return context
+
+
+def replica_id():
+    """This replica's index in its sync group (a scalar tensor under ``strategy.run``), else 0."""
+    context = _replica_context()
+    return 0 if context is None else context.replica_id_in_sync_group
+
+
+def all_reduce_sum(value):
+    """``value`` summed over the replicas in sync (every replica gets the sum); ``value`` alone."""
+    context = _replica_context()
+    if context is None:
+        return value
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def unscale_loss(loss):
+    """Undoes Keras's ``scale_loss_for_distribution`` (the factor ``1 / R`` that Keras's
+    mean-reduced losses carry under a strategy with ``R`` replicas in sync)."""
+    count = tf.distribute.get_strategy().num_replicas_in_sync
+    if count <= 1:
+        return loss
+    return loss * tf.cast(count, loss.dtype)

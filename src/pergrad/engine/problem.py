@@ -260,6 +260,10 @@ class PerExampleProblem:
         trackers = [(v, ops.zeros(v.shape, v.dtype)) for v in getattr(self.compile_loss, "variables", ())]
         with keras.StatelessScope(state_mapping=trackers):
             loss = self.compile_loss(y, y_pred, sample_weight)
+        if not self.sum_reduction:
+            # Under a TF strategy with R replicas Keras's mean reductions carry 1 / R
+            # (the optimizer sums the replicas): L_i is the single-device loss.
+            loss = adapter().unscale_loss(loss)
         if any(m is not None for m in masks):
             if len(masks) > 1:
                 raise NotImplementedError(

@@ -22,6 +22,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from pergrad import replicas
 from pergrad.aggregators.base import ExampleStatistics, WeightedAggregator
 from pergrad.arguments import check_number
 
@@ -267,9 +268,15 @@ class DPGaussian(WeightedAggregator):
         # diagnostics so that they describe the real examples.
         if self.log_diagnostics:
             present = ops.cast(flat_norms > 0, "float32")
-            count = ops.maximum(ops.sum(present), 1.0)
-            self.report("clipped_fraction", ops.sum(ops.cast(clipped, "float32") * present) / count)
-            self.report("gradient_norm", ops.sum(ops.where(present > 0, flat_norms, 0.0)) / count)
+            # Over the whole batch on every replica (tf.distribute merges their logs).
+            sums = replicas.global_sum(ops.stack([
+                ops.sum(present),
+                ops.sum(ops.cast(clipped, "float32") * present),
+                ops.sum(ops.where(present > 0, flat_norms, 0.0)),
+            ]))
+            count = ops.maximum(sums[0], 1.0)
+            self.report("clipped_fraction", sums[1] / count)
+            self.report("gradient_norm", sums[2] / count)
         # An overflowing norm (inf) gives factor 0, a NaN norm too: that example
         # adds nothing.
         factors = threshold / ops.maximum(norms, threshold)
@@ -300,7 +307,9 @@ class DPGaussian(WeightedAggregator):
         # One draw for all variables: one key per stream and step.
         sizes = [math.prod(g.shape) for g in result]
         noise = self.standard_normal(sum(sizes), step)
-        scale = self.noise_stddev / ops.cast(denominator, "float32")
+        # Drawn once globally: on replica 0 only (every replica has the same key and
+        # step), the replicas' sum then holds one noise (pergrad.replicas).
+        scale = replicas.first_replica(self.noise_stddev / ops.cast(denominator, "float32"))
         noisy, start = [], 0
         for gradient, size in zip(result, sizes):
             part = ops.reshape(noise[start : start + size] * scale, gradient.shape)
