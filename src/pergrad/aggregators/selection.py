@@ -6,6 +6,11 @@ over the batch axis is slow on XLA:CPU (``ops.sort``), so each backend selects
 the needed ranks with what it does fast (see ``benchmarks/selection.py`` for
 the measurements behind ``_STRATEGY``):
 
+- ``"unrolled"`` (JAX and TensorFlow up to B = 128): a bitonic sorting network
+  on the ``B`` rows as separate tensors of the variable's shape; XLA (JAX's
+  jit, TensorFlow's ``jit_compile``) fuses it and what follows into passes over
+  the coordinates, and drops the compare-exchanges no needed rank depends on
+  (64 x 200k median: 27 ms against 223 ms for ``"network"``).
 - ``"network"``: a bitonic sorting network over axis 0 (``minimum`` and
   ``maximum`` only, vectorized over the coordinates), whose last merge keeps
   only the blocks that hold the needed ranks; processed in column blocks so
@@ -215,8 +220,19 @@ def _sorted_rows(rows):
     return rows
 
 
+def _tree(op, values):
+    """``op`` over the values pairwise: a tree of depth log2(n). XLA:CPU fuses a long
+    chain of adds over network outputs into a computation 15x slower to run and 7x
+    slower to compile (trimmed mean of 64 x 200k: 345 ms vs 23 ms)."""
+    values = list(values)
+    while len(values) > 1:
+        pairs = [op(values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)]
+        values = pairs + values[len(values) - len(values) % 2 :]
+    return values[0]
+
+
 def _any_nan(rows):
-    return functools.reduce(ops.logical_or, [ops.isnan(r) for r in rows])
+    return _tree(ops.logical_or, [ops.isnan(r) for r in rows])
 
 
 def _unrolled_median(x):
@@ -230,7 +246,7 @@ def _unrolled_median(x):
 def _unrolled_trimmed_mean(x, dropped):
     rows = [x[i] for i in range(x.shape[0])]
     kept = _sorted_rows(rows)[dropped : len(rows) - dropped]
-    total = functools.reduce(ops.add, kept) / len(kept)
+    total = _tree(ops.add, kept) / len(kept)
     return ops.where(_any_nan(rows), ops.cast(float("nan"), x.dtype), total)
 
 
@@ -243,7 +259,7 @@ def _unrolled_meamed(x, kept):
     # The values nearer than the kept-th nearest distance, then the first ones by batch
     # position among those at exactly that distance (a stable argsort's).
     nearer = [ops.cast(d < threshold, x.dtype) for d in distances]
-    missing = kept - functools.reduce(ops.add, nearer)
+    missing = kept - _tree(ops.add, nearer)
     total, tied_before = ops.zeros_like(middle), ops.zeros_like(middle)
     for r, d, near in zip(rows, distances, nearer):
         tied = ops.cast(d == threshold, x.dtype)
