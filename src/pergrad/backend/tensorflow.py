@@ -25,7 +25,7 @@ def _dense_one(g, p):
 
 def _output_spec(fn, example_spec):
     """Shapes and dtypes of ``fn``'s outputs, from a trace (nothing runs)."""
-    traced = tf.function(fn).get_concrete_function(example_spec)
+    traced = tf.function(fn, autograph=False).get_concrete_function(example_spec)
     return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), traced.structured_outputs)
 
 
