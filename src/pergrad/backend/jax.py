@@ -4,6 +4,8 @@ import contextlib
 
 import jax
 
+from pergrad.backend._single_replica import all_reduce_sum, replica_id, unscale_loss  # noqa: F401
+
 
 def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
     single_grad = jax.grad(fn, has_aux=True)
@@ -74,18 +76,3 @@ def replicas(model=None):
     no replica runs the step on its own part of the batch."""
     del model
     return 1
-
-
-def replica_id():
-    """0: no replica runs the train step on its own part of the batch."""
-    return 0
-
-
-def all_reduce_sum(value):
-    """``value``: a single replica."""
-    return value
-
-
-def unscale_loss(loss):
-    """``loss``: Keras scales losses for replicas on TensorFlow only."""
-    return loss

@@ -2,6 +2,8 @@
 
 import torch
 
+from pergrad.backend._single_replica import all_reduce_sum, replica_id, unscale_loss  # noqa: F401
+
 _LAYOUT_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
 
 
@@ -150,18 +152,3 @@ def replicas(model=None):
     if distributed.is_available() and distributed.is_initialized():
         return int(distributed.get_world_size())
     return 1
-
-
-def replica_id():
-    """0: no replica runs the train step on its own part of the batch."""
-    return 0
-
-
-def all_reduce_sum(value):
-    """``value``: a single replica."""
-    return value
-
-
-def unscale_loss(loss):
-    """``loss``: Keras scales losses for replicas on TensorFlow only."""
-    return loss

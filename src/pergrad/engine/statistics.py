@@ -651,6 +651,18 @@ def _context(problem, trainable_values, non_trainable):
     )
 
 
+def prepare(problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale):
+    """``(batched, B, non_trainable, shared, inverse loss scale)`` of a batch, the batch
+    size checked against the rule's minimum where it is static."""
+    batched, batch_size, non_trainable, example_loss_scale = problem.batched_inputs(
+        non_trainable_values, x, y, sample_weight, loss_scale
+    )
+    if isinstance(batch_size, int):
+        aggregator.check_batch_size(batch_size)
+    shared = {"non_trainable": non_trainable, "loss_scale": example_loss_scale}
+    return batched, batch_size, non_trainable, shared, _unscale(example_loss_scale)
+
+
 def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=None,
               sample_weight=None, loss_scale=None):
     """A statistics rule's result over the batch, without per-example gradients of the model.
@@ -660,14 +672,10 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     example's ``loss``, ``y_pred``, ``mask`` (masked outputs) and advanced ``seeds``.
     Raises :class:`Unsupported` when the model needs the materialized path.
     """
-    batched, batch_size, non_trainable, example_loss_scale = problem.batched_inputs(
-        non_trainable_values, x, y, sample_weight, loss_scale
+    batched, batch_size, non_trainable, shared, inverse = prepare(
+        problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale
     )
-    if isinstance(batch_size, int):
-        aggregator.check_batch_size(batch_size)
-    shared = {"non_trainable": non_trainable, "loss_scale": example_loss_scale}
     variables = problem.model.trainable_variables
-    inverse = _unscale(example_loss_scale)
     if type(aggregator) in (Mean, Sum) and not _draws_random(problem, trainable_values, batched, shared):
         return _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, batched,
                                     loss_scale, batch_size)

@@ -100,15 +100,11 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     materialized path.
     """
     steps, final = plan(aggregator)
-    batched, batch_size, non_trainable, example_loss_scale = problem.batched_inputs(
-        non_trainable_values, x, y, sample_weight, loss_scale
+    batched, batch_size, non_trainable, shared, inverse = statistics.prepare(
+        problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale
     )
-    if isinstance(batch_size, int):
-        aggregator.check_batch_size(batch_size)
-    shared = {"non_trainable": non_trainable, "loss_scale": example_loss_scale}
     variables = problem.model.trainable_variables
-    layers, aux = statistics._layers(problem, trainable_values, batched, shared, batch_size,
-                                     statistics._unscale(example_loss_scale))
+    layers, aux = statistics._layers(problem, trainable_values, batched, shared, batch_size, inverse)
     finite = []
     with statistics._context(problem, trainable_values, non_trainable):
         stats, rows, size = None, None, batch_size
