@@ -22,7 +22,13 @@ from __future__ import annotations
 
 from keras import ops
 
-from pergrad.aggregators.base import Aggregator, CoordinateAggregator, ExampleStatistics, FunctionAggregator
+from pergrad.aggregators.base import (
+    STATISTICS,
+    Aggregator,
+    CoordinateAggregator,
+    ExampleStatistics,
+    FunctionAggregator,
+)
 from pergrad.aggregators.compose import Bucketing, Chain
 from pergrad.engine import statistics
 
@@ -57,18 +63,16 @@ def plan(aggregator):
     than per-example norms).
     """
     if type(aggregator) is Bucketing and aggregator.aggregator is not None:
-        inner = plan(aggregator.aggregator)
-        steps = None if inner is None else ([aggregator], inner)
-    elif type(aggregator) is Chain and aggregator.kind != "statistics":
-        inner = plan(aggregator.steps[-1])
-        steps = None if inner is None else (list(aggregator.steps[:-1]), inner)
+        outer, last = [aggregator], aggregator.aggregator
+    elif type(aggregator) is Chain and aggregator.kind != STATISTICS:
+        outer, last = list(aggregator.steps[:-1]), aggregator.steps[-1]
     else:
         final = _final(aggregator)
         return None if final is None else ([], final)
-    if steps is None:
+    inner = plan(last)
+    if inner is None:
         return None
-    (outer, (inner_steps, final)) = steps
-    every = outer + inner_steps
+    every, final = outer + inner[0], inner[1]
     if not all(_is_linear_step(step) for step in every):
         return None
     mixing = False
