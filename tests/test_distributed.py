@@ -153,30 +153,40 @@ RULES = {
     "dp_noise_1": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5),
     # Divides by a constant, not the batch size; the materialized path.
     "dp_expected": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5, expected_batch_size=7.0),
-    "median": lambda: "median",
+    # The whole batch's statistics (gathered norms), Gram matrix (gathered A, D rows).
+    "norm_filter": lambda: aggregators.norm_filter(drop_fraction=0.25),
     "krum": lambda: aggregators.krum(0.25),
+    "geometric_median": lambda: aggregators.geometric_median(),
+    # The streaming path on gathered A, D rows, each replica aggregating its parts.
+    "median": lambda: "median",
+    "trimmed_mean": lambda: aggregators.trimmed_mean(0.25),
+    "sign_majority": lambda: aggregators.sign_majority(),
     "bucketing": lambda: aggregators.bucketing(2, aggregators.median(), seed=3),
+    "clip_median": lambda: aggregators.chain(aggregators.clip(0.5), aggregators.median()),
+    # The materialized path on gathered per-example gradients: state kept identical.
     "centered_clip": lambda: aggregators.centered_clip(1.0),
+    "function": lambda: (lambda grads: [g[0] + g[-1] for g in grads]),
 }
-EXACT = ("mean", "sum", "clip", "clip_per_layer", "automatic_clip", "dp_noise_0", "dp_noise_1",
-         "dp_expected")
-FOUR = ("clip", "dp_noise_1")
+EXACT = tuple(RULES)
+FOUR = ("clip", "dp_noise_1", "krum", "median", "bucketing", "centered_clip", "function")
 
-def build(rule, strategy, make=None):
+def build(rule, strategy, make=None, **options):
     with strategy.scope() if strategy else contextlib.nullcontext():
         problem = make() if make else problems.dense_mlp(batch=16, l2=0.05 if rule == "sum" else None)
         path = "materialized" if rule == "dp_expected" else "auto"
-        model = pergrad.PerExampleModel(problem.model, RULES[rule](), path=path)
+        model = pergrad.PerExampleModel(problem.model, RULES[rule](), path=path, **options)
         model.compile(optimizer="sgd", loss=problem.loss)
     return problem, model
 
-def train(rule, strategy):
-    problem, model = build(rule, strategy)
-    history = model.fit(problem.x, problem.y, sample_weight=problem.sample_weight,
+def train(rule, strategy, make=None):
+    problem, model = build(rule, strategy, make)
+    # 13 examples in batches of 8: the second batch's shards uneven (3 + 2; 2 + 2 + 1 + 0,
+    # one empty). (Keras's fit() itself fails when the first batch's shards are uneven.)
+    history = model.fit(problem.x[:13], problem.y[:13], sample_weight=problem.sample_weight[:13],
                         batch_size=8, epochs=2, shuffle=False, verbose=0)
-    spread = max(  # between the replicas' copies of each weight
+    spread = max(  # between the replicas' copies of each weight and of the rule's state
         float(np.max(np.abs(parts[0].numpy() - part.numpy())))
-        for parts in (getattr(v.value, "values", (v.value,)) for v in problem.model.weights)
+        for parts in (getattr(v.value, "values", (v.value,)) for v in model.weights)
         for part in parts
     )
     return problem.model.get_weights(), {k: v[-1] for k, v in history.history.items()}, spread
@@ -208,15 +218,21 @@ for rule in EXACT:
         report["several"][f"{rule}/{replicas}"] = [
             difference(weights, alone[rule]), log_difference(other_logs, logs), spread]
 report["noise"] = difference(alone["dp_noise_1"], alone["dp_noise_0"])
+# Dropout: each example's stream from its position in the global batch.
+dropout = lambda: problems.dense_mlp(batch=16, dropout=0.2)
+for rule in ("mean", "median"):
+    weights, logs, _ = train(rule, None, dropout)
+    other, other_logs, spread = train(rule, two, dropout)
+    report["several"][f"dropout_{rule}/2"] = [
+        difference(other, weights), log_difference(other_logs, logs), spread]
 
-refused = [(rule, None) for rule in ("median", "krum", "bucketing", "centered_clip")]
-refused += [("mean", lambda: problems.dense_mlp(batch=16, dropout=0.2)),
-            ("clip", lambda: problems.masked_dense(batch=16))]
-for rule, make in refused:
-    problem, model = build(rule, two, make)
+refused = [("masked_dense", lambda: problems.masked_dense(batch=16), {}),
+           ("microbatch", None, {"microbatch_size": 4})]
+for key, make, options in refused:
+    problem, model = build("median", two, make, **options)
     before = problem.model.get_weights()
     calls = {"fit": lambda: model.fit(problem.x, problem.y, batch_size=8, epochs=1, verbose=0)}
-    if rule == "median" and make is None:
+    if key == "microbatch":
         calls.update({
             "train_on_batch": lambda: model.train_on_batch(problem.x[:8], problem.y[:8]),
             # A custom loop: train_step in each replica's context.
@@ -224,7 +240,6 @@ for rule, make in refused:
                 tf.function(model.train_step), args=((problem.x[:8], problem.y[:8]),)
             ),
         })
-    key = rule if make is None else problem.name
     for call, run in calls.items():
         try:
             run()
@@ -240,20 +255,24 @@ print(json.dumps(report))
 @_only("tensorflow")
 def test_tensorflow_mirrored_strategy_exact_rules_and_refusals():
     # Before: clip, automatic clipping and DP raised inside Keras (diagnostics on one
-    # replica only), the median took a median per replica; then every rule was refused
-    # on two replicas. Now mean, sum, clipping and DP-SGD (noise 0 and on) train as one
-    # device on 2 and 4 replicas, logs included; the rest is refused, a
-    # single-replica strategy trains as no strategy.
+    # replica only), the median took a median per replica; then every rule but mean,
+    # sum, clipping and DP-SGD was refused on two replicas. Now every kind of rule
+    # (local statistics, gathered statistics and Gram, streamed coordinate rules,
+    # stateful and user functions on gathered gradients) trains as one device on 2 and
+    # 4 replicas with uneven and empty shards, logs included, and so does a model with
+    # Dropout; a masked output and microbatch_size are refused, a single-replica
+    # strategy trains as no strategy.
     report = _run(_TF_MIRRORED, "tensorflow")
     for key, (difference, same_logs) in report["single"].items():
         assert difference <= 1e-6 and same_logs, (key, difference, same_logs)
     assert min(report["moved"].values()) > 1e-3, report["moved"]
     assert report["noise"] > 1e-3, report["noise"]  # the noise is on
-    assert len(report["several"]) == 10, report["several"]
+    assert len(report["several"]) == 27, report["several"]
     for key, (difference, logs, spread) in report["several"].items():
         # Same weights and logs (loss, clipped_fraction, gradient_norm) as one device;
         # the replicas' copies identical (one noise, added once).
         assert difference <= 1e-5 and logs <= 1e-5 and spread == 0.0, (key, difference, logs, spread)
+    assert len(report["refused"]) == 6, report["refused"]
     for key, message in report["refused"].items():
         if key.endswith("/unchanged"):
             assert message == 0.0, key  # nothing was updated
@@ -263,8 +282,7 @@ def test_tensorflow_mirrored_strategy_exact_rules_and_refusals():
             assert "masked output on several replicas" in message, message
             continue
         assert "tf.distribute strategy with 2 replicas" in message, message
-        assert "keras.distribution.DataParallel" in message, message
-    assert "draws random numbers" in report["refused"]["dense_mlp/fit"]
+        assert "microbatch_size" in message and "keras.distribution.DataParallel" in message, message
 
 
 _TORCH_RANK = """

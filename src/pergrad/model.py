@@ -141,18 +141,14 @@ class PerExampleModel(_TrainStep, keras.Model):
         if count <= 1:
             return
         reason = replicas.refusal(self)
-        if reason is None:  # mean, sum, clipping, DP-SGD on TF: exact (pergrad.replicas)
+        if reason is None:  # exact on TF (pergrad.replicas)
             return
         engine = _REPLICA_ENGINES.get(keras.backend.backend(), "a distribution")
         raise ValueError(
             f"PerExampleModel cannot train under {engine} with {count} replicas: "
-            f"{reason}. Each replica would aggregate only its own part of the batch (a "
-            "median of local medians, Krum over a shard) and the optimizer would combine "
-            "those, which is not the "
-            f"aggregator ({type(self.aggregator).__name__}) applied to the whole batch. "
-            "Train on one device (or a "
-            "single-replica strategy), or use the JAX backend with "
-            "keras.distribution.DataParallel, which keeps single-device results exactly."
+            f"{reason}. Train on one device (or a single-replica strategy), or use the JAX "
+            "backend with keras.distribution.DataParallel, which keeps single-device results "
+            "exactly."
         )
 
     def _trainable_flags(self):
@@ -261,13 +257,19 @@ class PerExampleModel(_TrainStep, keras.Model):
         self._problem()._check_once(x, y)
         size = tree.flatten(x)[0].shape[0]
         minimum = self.aggregator.min_batch_size
+        several = minimum > 1 and replicas.count(self) > 1  # the rule sees the whole batch
         message = (
             f"Aggregator {self.aggregator.name!r} needs batches of at least {minimum} "
             f"examples; got a batch of {{}}."
         )
-        if size is not None and size < minimum:
+        if size is not None and size < minimum and not several:
             raise ValueError(message.format(size))
-        if size is None and minimum > 1:
+        if several:
+            x = adapter().assert_at_least(
+                replicas.global_size(ops.shape(tree.flatten(x)[0])[0]), minimum,
+                message.format("fewer"), x,
+            )
+        elif size is None and minimum > 1:
             # TF retraces fit()'s step with an unknown batch size once batches differ
             # (a smaller last batch): check when the step runs, and compute everything
             # from an `x` that waits for the check, so that no update runs if it fails.

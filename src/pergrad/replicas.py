@@ -25,23 +25,8 @@ def count(model=None) -> int:
 
 def refusal(wrapper) -> str | None:
     """Why ``wrapper`` (a ``PerExampleModel``) cannot train exactly on several replicas, or ``None``."""
-    from pergrad.aggregators.basic import Clip, Mean, Sum
-    from pergrad.aggregators.clipping import AutomaticClip
-
-    supported = [Mean, Sum, Clip, AutomaticClip]
-    try:
-        from pergrad.privacy.dp_sgd import DPGaussian
-
-        supported.append(DPGaussian)
-    except ImportError:  # pragma: no cover - dp-accounting missing
-        pass
     if keras.backend.backend() != "tensorflow":
         return "replicas that each run the train step are supported on TensorFlow only"
-    if type(wrapper.aggregator) not in supported:
-        return (
-            f"the aggregator ({type(wrapper.aggregator).__name__}) is not one of the rules made "
-            "exact on several replicas (mean, sum, clip, automatic_clip, dp_gaussian)"
-        )
     if wrapper.microbatch_size is not None:
         return "microbatch_size is not supported on several replicas"
     if not (getattr(wrapper, "compiled", False) and wrapper.model.built):
@@ -52,13 +37,24 @@ def refusal(wrapper) -> str | None:
             "a 'sum'-reduced loss scales each example's loss by the batch size, which "
             "differs between a replica's shard and the whole batch"
         )
-    if problem.seed_positions:
-        return (
-            "the model draws random numbers (a Dropout or another layer with a seed): each "
-            "example's stream comes from its position in the batch, which a replica's shard "
-            "does not know"
-        )
     return None
+
+
+def local_share(aggregator) -> bool:
+    """Whether each replica aggregates its own shard and the replicas' sum, scaled by
+    :func:`batch_share`, is the single-device result (no example needs another's
+    gradient); otherwise the rule runs on the whole batch, gathered."""
+    from pergrad.aggregators.basic import Clip, Mean, Sum
+    from pergrad.aggregators.clipping import AutomaticClip
+
+    local = (Mean, Sum, Clip, AutomaticClip)
+    try:
+        from pergrad.privacy.dp_sgd import DPGaussian
+
+        local += (DPGaussian,)
+    except ImportError:  # pragma: no cover - dp-accounting missing
+        pass
+    return type(aggregator) in local
 
 
 def batch_share(aggregator, local_size):
@@ -80,7 +76,11 @@ def first_replica(value):
     """``value`` on replica 0, zeros on the others: added once to the replicas' sum."""
     if count() <= 1:
         return value
-    return value * ops.cast(ops.equal(adapter().replica_id(), 0), value.dtype)
+    replica = adapter().replica_id()
+    if isinstance(replica, int):
+        return value if replica == 0 else ops.zeros_like(value)
+    # Not a product: the value may be infinite on a replica with an empty shard.
+    return ops.where(ops.equal(replica, 0), value, ops.zeros_like(value))
 
 
 def global_sum(value):
@@ -95,3 +95,43 @@ def global_mean(values):
     values = ops.cast(values, "float32")
     total = global_sum(ops.stack([ops.sum(values), ops.cast(ops.size(values), "float32")]))
     return total[0] / total[1]
+
+
+def gather(value):
+    """Every replica's ``value`` concatenated along axis 0, in replica order (the order
+    of the examples in the global batch); ``value`` itself on one replica."""
+    return value if count() <= 1 else adapter().all_gather(value)
+
+
+def global_size(local_size):
+    """The global batch size: the replicas' shard sizes summed."""
+    return global_sum(ops.convert_to_tensor(local_size, "int32"))
+
+
+def local_rows(values, local_size):
+    """The rows of this replica's shard in ``values``, a ``(B, ...)`` tensor over the
+    global batch in replica order (:func:`gather`)."""
+    if count() <= 1:
+        return values
+    local_size = ops.convert_to_tensor(local_size, "int32")
+    sizes = gather(ops.reshape(local_size, (1,)))
+    before = ops.sum(ops.where(ops.arange(count()) < adapter().replica_id(), sizes, 0))
+    return ops.slice(values, (before,) + (0,) * (len(values.shape) - 1),
+                     (local_size,) + tuple(values.shape[1:]))
+
+
+def owns(piece: int):
+    """Whether this replica aggregates part number ``piece`` of a result split over the
+    replicas (round robin): a Python bool where the replica index is static, else a
+    scalar boolean tensor."""
+    replica = adapter().replica_id()
+    if isinstance(replica, int):
+        return piece % count() == replica
+    return ops.equal(replica, piece % count())
+
+
+def all_true(flag):
+    """``flag`` (a scalar boolean) on every replica."""
+    if count() <= 1:
+        return flag
+    return ops.equal(global_sum(ops.cast(ops.logical_not(flag), "int32")), 0)

@@ -93,20 +93,24 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
     per_example = None
     share = None
-    if replicas.count(wrapper) > 1:
-        # This replica's share of the single-device result (pergrad.replicas).
+    several = replicas.count(wrapper) > 1
+    # On several replicas (pergrad.replicas): each aggregates its shard, scaled by its
+    # share of the batch, or the rule runs on the whole batch, gathered.
+    gathered = several and not replicas.local_share(aggregator)
+    if several and not gathered:
         share = replicas.batch_share(aggregator, ops.shape(tree.flatten(x)[0])[0])
     if path == STATISTICS_PATH:
         try:
             if chunked.supports(aggregator):
                 result, aux = statistics.aggregate(
                     problem, aggregator, trainable_values, non_trainable_values,
-                    x, y, sample_weight, loss_scale=scale,
+                    x, y, sample_weight, loss_scale=scale, gathered=gathered,
                 )
             else:
                 result, aux = streaming.aggregate(
                     problem, aggregator, trainable_values, non_trainable_values,
                     x, y, sample_weight, loss_scale=scale, microbatch_size=wrapper.microbatch_size,
+                    gathered=gathered,
                 )
         except statistics.Unsupported as error:
             if wrapper.engine_path == STATISTICS_PATH:
@@ -135,7 +139,11 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
         )
         if private:
             per_example = zero_non_finite_examples(per_example)
-        result = aggregator(per_example)
+        if gathered:  # every replica runs the rule on the whole batch; counted once
+            per_example = [replicas.gather(g) for g in per_example]
+            result = [replicas.first_replica(g) for g in aggregator(per_example)]
+        else:
+            result = aggregator(per_example)
     if private and "mask" in aux:
         from pergrad.privacy.dp_sgd import refuse_masked_output
 

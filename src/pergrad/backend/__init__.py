@@ -29,11 +29,13 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
   part of the batch (a ``tf.distribute`` strategy's replicas in sync, a
   ``torch.distributed`` world size; 1 on JAX, whose ``keras.distribution``
   partitions one global program); ``PerExampleModel`` refuses more than 1
-  except for the rules ``pergrad.replicas`` makes exact on TensorFlow.
-- ``replica_id()``, ``all_reduce_sum(value)``: this replica's index and a sum
-  over the replicas in sync (0 and ``value`` outside ``strategy.run``, and on
-  JAX and torch); ``unscale_loss(loss)``: undoes the ``1 / R`` that Keras's
-  mean-reduced losses carry under a TF strategy with R replicas.
+  on JAX and torch (``pergrad.replicas`` makes TensorFlow's exact).
+- ``replica_id()``, ``all_reduce_sum(value)``, ``all_gather(value)``: this
+  replica's index (an int where static), a sum over the replicas in sync, and
+  their values concatenated along axis 0 in replica order (0, ``value`` and
+  ``value`` outside ``strategy.run``, and on JAX and torch);
+  ``unscale_loss(loss)``: undoes the ``1 / R`` that Keras's mean-reduced losses
+  carry under a TF strategy with R replicas.
 - ``fused(fn)`` (TF only): ``fn`` compiled by XLA, for
   ``pergrad.aggregators.selection``'s sorting network.
 - ``random_state()`` / ``set_random_state(state)``: the global generators that

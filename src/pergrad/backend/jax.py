@@ -4,7 +4,7 @@ import contextlib
 
 import jax
 
-from pergrad.backend._single_replica import all_reduce_sum, replica_id, unscale_loss  # noqa: F401
+from pergrad.backend._single_replica import all_gather, all_reduce_sum, replica_id, unscale_loss  # noqa: F401
 
 
 def vectorized_grad(fn, params, batched, shared, microbatch_size=None):

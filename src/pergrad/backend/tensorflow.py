@@ -279,9 +279,24 @@ def _replica_context():
 
 
 def replica_id():
-    """This replica's index in its sync group (a scalar tensor under ``strategy.run``), else 0."""
+    """This replica's index in its sync group under ``strategy.run`` (a Python int where the
+    strategy traces each replica apart, as ``MirroredStrategy`` does; else a scalar tensor), else 0."""
     context = _replica_context()
-    return 0 if context is None else context.replica_id_in_sync_group
+    if context is None:
+        return 0
+    index = context.replica_id_in_sync_group
+    static = tf.get_static_value(index)
+    return index if static is None else int(static)
+
+
+def all_gather(value):
+    """The replicas' ``value`` concatenated along axis 0 in replica order (shards of any
+    size), on every replica; ``value`` alone."""
+    context = _replica_context()
+    if context is None:
+        return value
+    # The result loses the static shape of the other axes, which the layer rules read.
+    return tf.ensure_shape(context.all_gather(value, axis=0), [None] + value.shape[1:])
 
 
 def all_reduce_sum(value):

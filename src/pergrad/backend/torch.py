@@ -2,7 +2,7 @@
 
 import torch
 
-from pergrad.backend._single_replica import all_reduce_sum, replica_id, unscale_loss  # noqa: F401
+from pergrad.backend._single_replica import all_gather, all_reduce_sum, replica_id, unscale_loss  # noqa: F401
 
 _LAYOUT_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
 

@@ -17,7 +17,7 @@ from typing import Any
 import keras
 from keras import ops, tree
 
-from pergrad import compat
+from pergrad import compat, replicas
 from pergrad.backend import adapter
 
 # Per-example RNG streams: example i draws from the seed state offset by
@@ -393,10 +393,15 @@ class PerExampleProblem:
             loss_scale = ops.cast(loss_scale, "float32") / ops.cast(batch_size, "float32")
         if self.seed_positions:
             seeds_for = batch_size if padded_size is None else padded_size
+            several = replicas.count() > 1
+            if several:  # each example's stream from its position in the global batch
+                seeds_for = replicas.global_size(batch_size)
             batched["seeds"] = [
                 self._example_seeds(non_trainable_values[p], seeds_for)
                 for p in self.seed_positions
             ]
+            if several:
+                batched["seeds"] = [replicas.local_rows(s, batch_size) for s in batched["seeds"]]
         return batched, batch_size, non_trainable_values, loss_scale
 
     @staticmethod

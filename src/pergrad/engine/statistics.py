@@ -27,12 +27,13 @@ statistics path'):
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import keras
 from keras import ops, tree
 
-from pergrad import compat
+from pergrad import compat, replicas
 from pergrad.aggregators.base import ExampleStatistics, RowMap
 from pergrad.aggregators.basic import Mean, Sum
 from pergrad.backend import adapter
@@ -424,6 +425,19 @@ class _Layers:
         self.deltas = [tree.map_structure(where, t) for t in self.deltas]
         self._materialized = {}
 
+    def gathered(self):
+        """These layers over every replica's examples: each call's ``A`` and ``D``
+        all-gathered, in replica order (``pergrad.replicas``)."""
+        whole = copy.copy(self)
+
+        def gather(t):
+            return replicas.gather(t) if _is_tensor(t) else t
+
+        whole.inputs = [tree.map_structure(gather, t) for t in self.inputs]
+        whole.deltas = [tree.map_structure(gather, t) for t in self.deltas]
+        whole._materialized = {}
+        return whole
+
     def _values(self, call):
         return [self.values_of[id(v)] for v in call.variables]
 
@@ -664,12 +678,15 @@ def prepare(problem, aggregator, non_trainable_values, x, y, sample_weight, loss
 
 
 def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=None,
-              sample_weight=None, loss_scale=None):
+              sample_weight=None, loss_scale=None, gathered=False):
     """A statistics rule's result over the batch, without per-example gradients of the model.
 
     Args and returns as :func:`pergrad.engine.chunked.aggregate`: ``(result, aux)``,
     ``result`` aligned with the trainable variables (unscaled), ``aux`` with each
     example's ``loss``, ``y_pred``, ``mask`` (masked outputs) and advanced ``seeds``.
+    With ``gathered`` (a replica of several, ``pergrad.replicas``), the weights come
+    from the statistics of the whole batch (norms all-gathered; for a Gram rule, each
+    layer's ``A`` and ``D``) and ``result`` is this replica's examples' part of the sum.
     Raises :class:`Unsupported` when the model needs the materialized path.
     """
     batched, batch_size, non_trainable, shared, inverse = prepare(
@@ -679,10 +696,15 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     if type(aggregator) in (Mean, Sum) and not _draws_random(problem, trainable_values, batched, shared):
         return _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, batched,
                                     loss_scale, batch_size)
+
+    def local(weights):
+        return replicas.local_rows(weights, batch_size) if gathered else weights
+
     if not aggregator.reads_statistics:
-        stats = ExampleStatistics(ops.zeros((batch_size, len(variables)), "float32"))
-        grads, aux = _direct(problem, aggregator.example_weights(stats), trainable_values, batched,
-                             shared, batch_size)
+        rows = replicas.global_size(batch_size) if gathered else batch_size
+        stats = ExampleStatistics(ops.zeros((rows, len(variables)), "float32"))
+        grads, aux = _direct(problem, local(aggregator.example_weights(stats)), trainable_values,
+                             batched, shared, batch_size)
         if inverse is not None:
             grads = [g * ops.cast(inverse, g.dtype) for g in grads]
         result = [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
@@ -696,10 +718,13 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
             keep = ops.all(ops.isfinite(norms), axis=1)
             layers.zero_rows(keep)
             norms = ops.where(keep[:, None], norms, ops.zeros_like(norms))
-        gram = layers.gram(batch_size) if aggregator.needs_gram else None
+        whole = layers.gathered() if gathered and aggregator.needs_gram else layers
+        if gathered:
+            norms = replicas.gather(norms)
+        gram = whole.gram(ops.shape(norms)[0]) if aggregator.needs_gram else None
         stats = ExampleStatistics(norms, gram)
         weights = ops.stop_gradient(aggregator.example_weights(stats))
-        result = layers.weighted_sums(weights, variables)
+        result = layers.weighted_sums(local(weights), variables)
     return aggregator.finalize(result, stats), _finish_aux(problem, aux, non_trainable)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from keras import ops
 
+from pergrad import replicas
 from pergrad.aggregators.base import (
     STATISTICS,
     Aggregator,
@@ -89,7 +90,7 @@ def supports(aggregator) -> bool:
 
 
 def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=None,
-              sample_weight=None, loss_scale=None, microbatch_size=None):
+              sample_weight=None, loss_scale=None, microbatch_size=None, gathered=False):
     """A coordinate rule's result over the batch, one variable at a time.
 
     With ``microbatch_size`` ``m`` and a coordinate-wise final rule (median, trimmed
@@ -99,7 +100,11 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
 
     Returns ``(result, aux)`` as :func:`pergrad.engine.statistics.aggregate`, with
     ``aux["finite"]``: whether every per-example gradient was finite (the step
-    makes the update NaN otherwise, as on the materialized path). Raises
+    makes the update NaN otherwise, as on the materialized path). With ``gathered``
+    (a replica of several, ``pergrad.replicas``), each layer's ``A`` and ``D`` are
+    all-gathered, every replica forms the whole batch's rows but aggregates only its
+    own parts of the variables (zeros elsewhere): the replicas' sum is the result.
+    Raises
     :class:`~pergrad.engine.statistics.Unsupported` when the model needs the
     materialized path.
     """
@@ -109,6 +114,13 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     )
     variables = problem.model.trainable_variables
     layers, aux = statistics._layers(problem, trainable_values, batched, shared, batch_size, inverse)
+    pieces = 1
+    if microbatch_size is not None and final.coordinatewise and isinstance(batch_size, int):
+        pieces = -(-batch_size // microbatch_size)
+    if gathered:
+        layers, batch_size = layers.gathered(), replicas.global_size(batch_size)
+        if final.coordinatewise:  # a Dense kernel in one part per replica
+            pieces = max(pieces, replicas.count())
     finite = []
     with statistics._context(problem, trainable_values, non_trainable):
         stats, rows, size = None, None, batch_size
@@ -124,17 +136,24 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
             rows = mapping if rows is None else rows.then(mapping)
             if mapping.order is not None:
                 size = mapping.order.shape[0] or ops.shape(mapping.order)[0]
-        pieces = 1
-        if microbatch_size is not None and final.coordinatewise and isinstance(batch_size, int):
-            pieces = -(-batch_size // microbatch_size)
         flags, covered = layers.finite_from_layers()
         finite.extend(flags)
         parts = [[] for _ in variables]
-        for k, gradients in layers.mapped(rows, variables, size, pieces):
+        for piece, (k, gradients) in enumerate(layers.mapped(rows, variables, size, pieces)):
+            dtype = variables[k].dtype
+            mine = replicas.owns(piece) if gathered else True
+            if mine is False:  # another replica's part
+                parts[k].append(ops.zeros(tuple(gradients.shape[1:]), dtype))
+                continue
             if k not in covered:
                 finite.append(ops.all(ops.isfinite(gradients)))
-            parts[k].append(ops.cast(final.aggregate_variable(gradients), variables[k].dtype))
+            value = ops.cast(final.aggregate_variable(gradients), dtype)
+            if mine is not True:
+                value = ops.where(mine, value, ops.zeros_like(value))
+            parts[k].append(value)
         result = [p[0] if len(p) == 1 else ops.concatenate(p, axis=0) for p in parts]
     aux = statistics._finish_aux(problem, aux, non_trainable)
     aux["finite"] = ops.all(ops.stack(finite))
+    if gathered:
+        aux["finite"] = replicas.all_true(aux["finite"])
     return result, aux
