@@ -139,6 +139,13 @@ rows, and the earlier pergrad / raw vmap comparison.
 ``batch``, ``parameters`` and ``largest_variable``) with the header's facts
 (``backend``, ``versions``, ``options``, ``source`` commit, ``suite``,
 ``repeats``), for ``benchmarks/table.py``.
+
+``--replicas R`` (e.g. ``2`` or ``2,4``) runs ``benchmarks/replicas.py`` instead
+(its options pass through; ``--threads`` does not apply): the communication per
+step of each rule kind on R logical CPU devices (JAX ``DataParallel``,
+TensorFlow ``MirroredStrategy``; both unless ``KERAS_BACKEND`` is set), measured
+from the compiled program / traced graph, beside the formulas of
+docs/architecture.md ('Communication per step').
 """
 
 from __future__ import annotations
@@ -168,6 +175,7 @@ def process_options(argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--suite", default="default")
     parser.add_argument("--memory-child", nargs=2, default=None)
+    parser.add_argument("--replicas", default=None)
     return parser.parse_known_args(argv)[0]
 
 
@@ -237,6 +245,11 @@ def suite_models(suite: str, quick: bool) -> tuple[str, ...]:
     return QUICK_MODELS if quick else DEFAULT_MODELS
 
 PROCESS = process_options() if __name__ == "__main__" else process_options([])
+if PROCESS.replicas:  # communication per step on R logical devices: benchmarks/replicas.py
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import replicas
+
+    sys.exit(replicas.main(sys.argv[1:]))
 limit_threads(PROCESS.threads)
 disable_onednn_for_attention(PROCESS)
 if PROCESS.malloc_tuning:
@@ -1211,6 +1224,9 @@ def main(argv=None):
     parser.add_argument("--memory-timeout", type=float, default=600.0,
                         help="seconds allowed per memory subprocess")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--replicas", default=None,  # handled before the backend's import
+                        help="R or a list (2,4): communication per step on R logical CPU "
+                        "devices instead (benchmarks/replicas.py --help)")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads per backend (default 1: stable on a shared machine; "
                         "0 = the backends' own defaults)")
