@@ -80,7 +80,8 @@ def first_replica(value):
     """``value`` on replica 0, zeros on the others: added once to the replicas' sum."""
     if count() <= 1:
         return value
-    return value * ops.cast(ops.equal(adapter().replica_id(), 0), value.dtype)
+    # `where`, not a product: a replica with an empty shard may hold inf (noise / 0).
+    return ops.where(ops.equal(adapter().replica_id(), 0), value, ops.zeros_like(value))
 
 
 def global_sum(value):
