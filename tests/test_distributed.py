@@ -368,18 +368,19 @@ def difference(a, b):
 two = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 four = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)],
                                       cross_device_ops=tf.distribute.ReductionToOneDevice())
-report = {"several": {}, "epsilon": {}}
+report, alone_weights = {"several": {}, "epsilon": {}}, {}
 for rule in ("dp_noise_0", "dp_noise_1"):
     alone = train(rule, None)
+    alone_weights[rule] = alone["weights"]
     report["sizes"], report["steps"] = alone["sizes"], alone["steps"]
     report["epsilon"][f"{rule}/1"] = alone["logs"].get("epsilon")
     report[f"moved/{rule}"] = difference(alone["weights"], problems.dense_mlp(batch=16).model.get_weights())
-    for replicas, strategy in ((2, two), (4, four)):
+    for replicas, strategy in ((2, two),) + (((4, four),) if rule == "dp_noise_1" else ()):
         run = train(rule, strategy)
         report["several"][f"{rule}/{replicas}"] = [
             difference(run["weights"], alone["weights"]), run["steps"], run["batch_size"]]
         report["epsilon"][f"{rule}/{replicas}"] = run["logs"].get("epsilon")
-report["noise"] = difference(train("dp_noise_1", None)["weights"], train("dp_noise_0", None)["weights"])
+report["noise"] = difference(alone_weights["dp_noise_1"], alone_weights["dp_noise_0"])
 
 # Rules that count the padding: a size that divides trains as one device, another is refused.
 alone, run = train("clip", None, 8), train("clip", two, 8)
@@ -406,7 +407,7 @@ print(json.dumps(report))
 def test_tensorflow_mirrored_strategy_poisson_sampling():
     # Before: fit() refused a PoissonSampler on several replicas, and a DP step whose
     # batch left a replica an empty shard gave NaN weights (noise / 0 times 0). Now
-    # the sampler's one Poisson sample is split over 2 and 4 replicas, its batches
+    # the sampler's one Poisson sample is split over 2 (and 4) replicas, its batches
     # padded from 7 to 8 rows (dp_gaussian ignores padding): the weights, the step
     # count and epsilon are those of one device, draws of 0 examples included.
     from pergrad import privacy
@@ -415,7 +416,7 @@ def test_tensorflow_mirrored_strategy_poisson_sampling():
     assert 0 in report["sizes"] and max(report["sizes"]) >= 4, report["sizes"]  # empty, and > R
     assert report["steps"] == 14
     assert report["moved/dp_noise_0"] > 1e-3 and report["noise"] > 1e-3, report
-    assert len(report["several"]) == 5, report["several"]
+    assert len(report["several"]) == 4, report["several"]
     for key, (difference, steps, batch_size) in report["several"].items():
         assert difference <= 1e-5, (key, difference)
         assert steps == (14 if key.startswith("dp") else None), (key, steps)
