@@ -336,3 +336,115 @@ def test_torch_process_group_refused(tmp_path):
         assert report["group"] is not None, "fit() trained under a process group of two"
         assert "torch.distributed process group" in report["group"], report
         assert "with 2 replicas" in report["group"], report
+
+
+_TF_POISSON = """
+import contextlib, json, warnings
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
+import keras, pergrad, problems
+from pergrad import aggregators, privacy
+
+RATE, DELTA, STEPS = 0.15, 1e-5, 14  # 7 steps per epoch, 2 epochs
+RULES = {
+    "dp_noise_0": lambda sampler: privacy.dp_gaussian(
+        0.5, 0.0, seed=5, expected_batch_size=sampler.expected_batch_size),
+    "dp_noise_1": lambda sampler: privacy.dp_gaussian(
+        0.5, 1.0, seed=5, expected_batch_size=sampler.expected_batch_size),
+    "mean": lambda sampler: "mean",
+    "clip": lambda sampler: aggregators.clip(0.5),
+}
+
+def train(rule, strategy, max_batch_size=7):
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        problem = problems.dense_mlp(batch=16)
+        sampler = privacy.PoissonSampler(problem.x, problem.y, sampling_rate=RATE, seed=0,
+                                         sample_weight=problem.sample_weight,
+                                         max_batch_size=max_batch_size)
+        aggregator = RULES[rule](sampler)
+        model = pergrad.PerExampleModel(problem.model, aggregator)
+        model.compile(optimizer="sgd", loss=problem.loss)
+    private = rule.startswith("dp")
+    callbacks = [privacy.PrivacyAccountant(1.0, RATE, DELTA)] if rule == "dp_noise_1" else None
+    before = problem.model.get_weights()
+    try:
+        history = model.fit(sampler, epochs=2, verbose=0, callbacks=callbacks)
+    except ValueError as error:
+        return {"refused": str(error), "unchanged": difference(problem.model.get_weights(), before)}
+    return {
+        "weights": problem.model.get_weights(),
+        "logs": history.history,
+        "steps": int(keras.ops.convert_to_numpy(aggregator.step_count)) if private else None,
+        "batch_size": sampler.batch_size,  # back to max_batch_size after fit
+        "sizes": [len(sampler.indices_for_step(t)) for t in range(STEPS)],
+    }
+
+def difference(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+two = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+four = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)],
+                                      cross_device_ops=tf.distribute.ReductionToOneDevice())
+report, alone_weights = {"several": {}, "epsilon": {}}, {}
+for rule in ("dp_noise_0", "dp_noise_1"):
+    alone = train(rule, None)
+    alone_weights[rule] = alone["weights"]
+    report["sizes"], report["steps"] = alone["sizes"], alone["steps"]
+    report["epsilon"][f"{rule}/1"] = alone["logs"].get("epsilon")
+    report[f"moved/{rule}"] = difference(alone["weights"], problems.dense_mlp(batch=16).model.get_weights())
+    for replicas, strategy in ((2, two),) + (((4, four),) if rule == "dp_noise_1" else ()):
+        run = train(rule, strategy)
+        report["several"][f"{rule}/{replicas}"] = [
+            difference(run["weights"], alone["weights"]), run["steps"], run["batch_size"]]
+        report["epsilon"][f"{rule}/{replicas}"] = run["logs"].get("epsilon")
+report["noise"] = difference(alone_weights["dp_noise_1"], alone_weights["dp_noise_0"])
+
+# Rules that count the padding: a size that divides trains as one device, another is refused.
+alone, run = train("clip", None, 8), train("clip", two, 8)
+report["several"]["clip/2"] = [difference(run["weights"], alone["weights"]), None, run["batch_size"]]
+report["clip_logs"] = max(abs(alone["logs"][k][-1] - run["logs"][k][-1]) for k in alone["logs"])
+report["refused"] = train("mean", two)
+
+# Plain batches: the last one (1 example) leaves replica 1 an empty shard.
+def plain(strategy):
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        problem = problems.dense_mlp(batch=17)
+        model = pergrad.PerExampleModel(problem.model, privacy.dp_gaussian(0.5, 1.0, seed=5))
+        model.compile(optimizer="sgd", loss=problem.loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # not Poisson-sampled
+        model.fit(problem.x, problem.y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return problem.model.get_weights()
+report["empty_shard"] = difference(plain(two), plain(None))
+print(json.dumps(report))
+"""
+
+
+@_only("tensorflow")
+def test_tensorflow_mirrored_strategy_poisson_sampling():
+    # Before: fit() refused a PoissonSampler on several replicas, and a DP step whose
+    # batch left a replica an empty shard gave NaN weights (noise / 0 times 0). Now
+    # the sampler's one Poisson sample is split over 2 (and 4) replicas, its batches
+    # padded from 7 to 8 rows (dp_gaussian ignores padding): the weights, the step
+    # count and epsilon are those of one device, draws of 0 examples included.
+    from pergrad import privacy
+
+    report = _run(_TF_POISSON, "tensorflow")
+    assert 0 in report["sizes"] and max(report["sizes"]) >= 4, report["sizes"]  # empty, and > R
+    assert report["steps"] == 14
+    assert report["moved/dp_noise_0"] > 1e-3 and report["noise"] > 1e-3, report
+    assert len(report["several"]) == 4, report["several"]
+    for key, (difference, steps, batch_size) in report["several"].items():
+        assert difference <= 1e-5, (key, difference)
+        assert steps == (14 if key.startswith("dp") else None), (key, steps)
+        assert batch_size == (8 if key.startswith("clip") else 7), (key, batch_size)
+    assert report["clip_logs"] <= 1e-5, report["clip_logs"]
+    # The accountant counts each step once, at the global rate q.
+    expected = [privacy.epsilon(1.0, 0.15, steps, 1e-5) for steps in (7, 14)]
+    for key, epsilons in report["epsilon"].items():
+        if key.startswith("dp_noise_1"):
+            assert epsilons == pytest.approx(expected, rel=1e-9), key
+    assert "max_batch_size=8" in report["refused"]["refused"], report["refused"]
+    assert report["refused"]["unchanged"] == 0.0
+    assert report["empty_shard"] <= 1e-5, report["empty_shard"]

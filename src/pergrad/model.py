@@ -288,15 +288,13 @@ class PerExampleModel(_TrainStep, keras.Model):
             # Refuses example-mixing layers and an accountant that does not match the
             # sampler or the rule; warns without Poisson sampling.
             check_dp_fit(self, x, callbacks)
-        if isinstance(x, PoissonSampler) and replicas.count(self) > 1:
-            raise ValueError(
-                "PoissonSampler is not supported on several replicas: its batches are drawn "
-                "for the whole model, not per replica's shard. Train on one replica."
-            )
         if isinstance(x, PoissonSampler):
             # Draws follow the step count restored by BackupAndRestore (after it).
             if len(args) > 3:  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
                 args = (*args[:3], x.with_step_callback(callbacks), *args[4:])
             else:
                 kwargs["callbacks"] = x.with_step_callback(callbacks)
+            # On several devices: its one Poisson sample split over them, padded to divide.
+            with x.split_for(self):
+                return super().fit(x, y, *args, **kwargs)
         return super().fit(x, y, *args, **kwargs)

@@ -20,10 +20,23 @@ event whose probability barely depends on any one example; with ``T`` steps
 it happens with probability at most ``T * overflow_probability``, which is
 negligible next to a usual ``delta`` (and may be added to it for a
 conservative statement).
+
+**Several devices.** ``fit()`` splits each batch over the devices or replicas
+(``keras.distribution.DataParallel`` on JAX, ``tf.distribute.MirroredStrategy``
+on TensorFlow), and Keras needs the batch to divide evenly over them. A Poisson
+sample of the whole dataset split over the replicas is distributed exactly as
+independent Poisson samples of each replica's shard at the same rate ``q``, so
+the accounting at the global ``q`` holds unchanged, and every step counts once.
+During such a ``fit`` the sampler pads its batches to the next multiple of the
+number of parts (:func:`batch_shards`), which changes nothing for rules that
+ignore padding (``dp_gaussian`` with ``expected_batch_size``, ``sum``); other
+rules divide by the padded size, so for them a ``max_batch_size`` that does not
+divide is refused with the value to pass instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 import threading
@@ -55,6 +68,40 @@ def max_batch_size_for(dataset_size: int, sampling_rate: float, overflow_probabi
     return max(1, min(int(dataset_size), math.ceil(mean + t)))
 
 
+def batch_shards(model=None) -> int:
+    """How many parts ``fit()`` splits each batch into, each for one device or replica.
+
+    The replicas of a ``tf.distribute`` strategy (``pergrad.replicas.count``)
+    times the devices the current ``keras.distribution`` shards the batch axis
+    over (``DataParallel``: all of its devices; ``ModelParallel``: the batch
+    axis of its mesh). Keras needs every batch to divide evenly over them.
+    """
+    from pergrad import replicas
+
+    shards = replicas.count(model)
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        layout = distribution.get_data_layout((1,))
+        axis = layout.axes[0]
+        names = () if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+        mesh = layout.device_mesh
+        for name in names:
+            shards *= int(mesh.shape[list(mesh.axis_names).index(name)])
+    return shards
+
+
+def ignores_padding(aggregator) -> bool:
+    """Whether ``aggregator``'s result is the same with more zero-weight padding rows.
+
+    True for ``sum`` and for rules that divide by a fixed ``expected_batch_size``
+    (``dp_gaussian``); the others divide by, or take order statistics over, the
+    padded batch.
+    """
+    from pergrad.aggregators.basic import Sum
+
+    return type(aggregator) is Sum or getattr(aggregator, "expected_batch_size", None) is not None
+
+
 class PoissonSampler(keras.utils.PyDataset):
     """A ``fit()`` data source that Poisson-samples every step, with fixed shapes.
 
@@ -68,6 +115,10 @@ class PoissonSampler(keras.utils.PyDataset):
     Use it with :func:`pergrad.privacy.dp_gaussian` and pass
     ``expected_batch_size=sampler.expected_batch_size``: the padded batch's
     size is not the number of examples.
+
+    **Several devices.** During a ``fit`` on several devices or replicas the
+    batches are padded to :attr:`batch_size`, the next multiple of their
+    number; see the module docstring.
 
     **Draws as a function of the step.** The draw of global step ``t`` is a
     pure function of (seed, ``t``): a fresh ``numpy`` generator seeded with
@@ -170,6 +221,40 @@ class PoissonSampler(keras.utils.PyDataset):
         self._entropy = seed if seed is not None else secrets.randbits(128)
         self._step = 0
         self._lock = threading.Lock()
+        self._multiple = 1  # set by `split_for` during a fit on several devices
+
+    @property
+    def batch_size(self) -> int:
+        """The size of the padded batches: ``max_batch_size`` rounded up to a multiple
+        of the devices a ``fit`` on several devices splits them over."""
+        return -(-self.max_batch_size // self._multiple) * self._multiple
+
+    @contextlib.contextmanager
+    def split_for(self, model):
+        """Pads batches for ``model``'s devices during a ``fit`` (``PerExampleModel.fit`` uses it).
+
+        Raises:
+            ValueError: ``max_batch_size`` does not divide over the devices and
+                ``model``'s rule does not ignore padding.
+        """
+        shards = batch_shards(model)
+        aggregator = getattr(model, "aggregator", None)
+        if self.max_batch_size % shards and not ignores_padding(aggregator):
+            multiple = -(-self.max_batch_size // shards) * shards
+            raise ValueError(
+                f"PoissonSampler's batches (max_batch_size={self.max_batch_size}) do not split "
+                f"evenly over the {shards} devices or replicas that fit() splits them over, as "
+                "Keras requires, and padding them further would change the result of "
+                f"{type(aggregator).__name__}, which counts the padding rows. Pass "
+                f"PoissonSampler(..., max_batch_size={multiple}) (a multiple of {shards}; one "
+                "device then gives the same result), or use a rule that ignores padding "
+                "(dp_gaussian with expected_batch_size, or sum)."
+            )
+        previous, self._multiple = self._multiple, shards
+        try:
+            yield self
+        finally:
+            self._multiple = previous
 
     @property
     def step(self) -> int:
@@ -227,9 +312,9 @@ class PoissonSampler(keras.utils.PyDataset):
 
     def __getitem__(self, index):
         indices = self.sample_indices()
-        padding = self.max_batch_size - len(indices)
-        rows = np.concatenate([indices, np.zeros(padding, dtype=indices.dtype)])
-        weights = np.zeros(self.max_batch_size, dtype="float32")
+        size = self.batch_size
+        rows = np.concatenate([indices, np.zeros(size - len(indices), dtype=indices.dtype)])
+        weights = np.zeros(size, dtype="float32")
         weights[: len(indices)] = 1.0 if self.sample_weight is None else self.sample_weight[indices]
         x = tree.map_structure(lambda a: a[rows], self.x)
         return x, tree.map_structure(lambda a: a[rows], self.y), weights
