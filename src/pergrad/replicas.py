@@ -135,3 +135,27 @@ def all_true(flag):
     if count() <= 1:
         return flag
     return ops.equal(global_sum(ops.cast(ops.logical_not(flag), "int32")), 0)
+
+
+def spread_coordinates(gradients):
+    """``gradients`` (``(J, ...)`` rows of one variable) laid out over the devices of a
+    ``keras.distribution.DataParallel`` by coordinate instead of by example.
+
+    A coordinate rule compares every example's value of a coordinate: with the rows
+    split by example, XLA's partitioner brings all ``J`` rows to every device; split
+    by coordinate (the largest axis the device count divides), it exchanges each
+    device's ``J x P/R`` block once (an all-to-all) and each device selects over its
+    own coordinates. Values are unchanged; any other setting returns ``gradients``.
+    """
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, keras.distribution.DataParallel):
+        return gradients
+    mesh, name = distribution.device_mesh, distribution.batch_dim_name
+    devices = mesh.shape[list(mesh.axis_names).index(name)]
+    shape = tuple(gradients.shape)
+    axes = [k for k in range(1, len(shape)) if shape[k] and shape[k] % devices == 0]
+    if devices <= 1 or not axes:
+        return gradients
+    spec = [None] * len(shape)
+    spec[max(axes, key=lambda k: shape[k])] = name
+    return keras.distribution.distribute_tensor(gradients, keras.distribution.TensorLayout(spec, mesh))

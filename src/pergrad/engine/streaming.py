@@ -147,7 +147,7 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
                 continue
             if k not in covered:
                 finite.append(ops.all(ops.isfinite(gradients)))
-            value = ops.cast(final.aggregate_variable(gradients), dtype)
+            value = ops.cast(final.aggregate_variable(replicas.spread_coordinates(gradients)), dtype)
             if mine is not True:
                 value = ops.where(mine, value, ops.zeros_like(value))
             parts[k].append(value)
