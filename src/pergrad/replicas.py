@@ -27,8 +27,16 @@ def refusal(wrapper) -> str | None:
     """Why ``wrapper`` (a ``PerExampleModel``) cannot train exactly on several replicas, or ``None``."""
     if keras.backend.backend() != "tensorflow":
         return "replicas that each run the train step are supported on TensorFlow only"
-    if wrapper.microbatch_size is not None:
-        return "microbatch_size is not supported on several replicas"
+    if wrapper.microbatch_size is not None and not local_share(wrapper.aggregator):
+        from pergrad import step
+
+        path = step.engine_path(wrapper.aggregator, wrapper.engine_path, wrapper.microbatch_size)
+        if path == step.CHUNKED_PATH:
+            return (
+                f"with microbatch_size, {type(wrapper.aggregator).__name__} takes the chunked "
+                "path, whose statistics would be those of one replica's shard; without "
+                "microbatch_size it takes the statistics path, which forms no B x P tensor"
+            )
     if not (getattr(wrapper, "compiled", False) and wrapper.model.built):
         return None  # checked again when the step is traced
     problem = wrapper._problem()
