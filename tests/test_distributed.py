@@ -410,7 +410,7 @@ print(json.dumps(report))
 def _check_mixed_precision(report):
     # Thresholds from measurements (docs/architecture.md, 'Multi-device training'):
     # statistics in float32 give the one-device weights to <= 6e-8 on two devices,
-    # while the one-device float32 run is >= 2e-5 away (float16 activations).
+    # while the one-device float32 run is >= 2e-4 away (float16 activations).
     # The mean is Keras's own batch gradient, its backward pass in float16: pergrad's
     # equals plain fit() on the same devices, and two devices differ from one by
     # Keras's own float16 rounding (about one epsilon of the compute dtype, relative
