@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -448,3 +449,256 @@ def test_tensorflow_mirrored_strategy_poisson_sampling():
     assert "max_batch_size=8" in report["refused"]["refused"], report["refused"]
     assert report["refused"]["unchanged"] == 0.0
     assert report["empty_shard"] <= 1e-5, report["empty_shard"]
+
+
+_MIXED_PRECISION = """
+import contextlib, json, os
+import numpy as np
+BACKEND = os.environ["KERAS_BACKEND"]
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, pergrad, problems
+from pergrad import aggregators, privacy
+
+RULES = {
+    "plain": None,  # Keras's own fit(): the mean's reference (its float16 backward pass)
+    "mean": lambda: "mean",
+    "mean_skips": lambda: "mean",  # with an initial loss scale that overflows float16
+    "clip": lambda: aggregators.clip(0.5),
+    "dp_noise_0": lambda: privacy.dp_gaussian(0.5, 0.0, seed=5),
+    "dp_noise_1": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5),
+}
+if BACKEND == "jax":
+    import jax
+    RULES.update(median=lambda: "median", krum=lambda: aggregators.krum(0.25))
+    two = keras.distribution.DataParallel(devices=jax.devices()[:2])
+    def on(devices):
+        keras.distribution.set_distribution(two if devices == 2 else None)
+        return contextlib.nullcontext()
+else:
+    two = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    def on(devices):
+        return two.scope() if devices == 2 else contextlib.nullcontext()
+
+def optimizer(rule, policy):
+    sgd = keras.optimizers.SGD(0.5)
+    if policy == "mixed_float16" and rule not in ("plain", "mean"):
+        # 2**18 overflows float16 in the backward pass: steps skipped, the scale halved.
+        return keras.optimizers.LossScaleOptimizer(sgd, initial_scale=2.0**18)
+    return sgd  # compile() wraps it in a LossScaleOptimizer for mixed_float16 (scale 2**15)
+
+def train(rule, devices, policy):
+    keras.config.set_dtype_policy(policy)
+    try:
+        with on(devices):
+            problem = problems.dense_mlp(batch=16)
+            start = problem.model.get_weights()
+            model = problem.model
+            if rule != "plain":
+                model = pergrad.PerExampleModel(problem.model, RULES[rule]())
+            model.compile(optimizer=optimizer(rule, policy), loss=problem.loss)
+        with on(devices):
+            model.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=8,
+                      epochs=2, shuffle=False, verbose=0)
+        weights = [np.asarray(w, np.float64) for w in problem.model.get_weights()]
+        scaler = model.optimizer
+        steps = [int(keras.ops.convert_to_numpy(scaler.iterations))]
+        if isinstance(scaler, keras.optimizers.LossScaleOptimizer):
+            steps.append(float(keras.ops.convert_to_numpy(scaler.dynamic_scale)))
+        kind = [problem.model.layers[0].compute_dtype, type(scaler).__name__]
+        return weights, difference(weights, start), steps, kind
+    finally:
+        keras.config.set_dtype_policy("float32")
+        if BACKEND == "jax":
+            keras.distribution.set_distribution(None)
+
+def difference(a, b):
+    return max(float(np.max(np.abs(np.asarray(u, np.float64) - v))) for u, v in zip(a, b))
+
+single32 = {rule: train(rule, 1, "float32")[0] for rule in RULES if rule not in ("plain", "mean_skips")}
+report = {}
+for policy in ("mixed_float16", "mixed_bfloat16"):
+    runs = {}
+    for rule in RULES:
+        if rule == "mean_skips" and policy != "mixed_float16":
+            continue
+        one, moved, steps_one, kind = train(rule, 1, policy)
+        several, _, steps_two, _ = train(rule, 2, policy)
+        runs[rule] = one, several
+        report[f"{policy}/{rule}"] = {
+            "difference": difference(several, one), "moved": moved, "kind": kind,
+            "steps": [steps_one, steps_two],
+            "float32": difference(single32[rule], one) if rule in single32 else None,
+        }
+    report[f"{policy}/mean_vs_plain"] = [difference(runs["mean"][k], runs["plain"][k]) for k in (0, 1)]
+print(json.dumps(report))
+"""
+
+
+def _check_mixed_precision(report):
+    # Thresholds from measurements (docs/architecture.md, 'Multi-device training'):
+    # statistics in float32 give the one-device weights to <= 6e-8 on two devices,
+    # while the one-device float32 run is >= 2e-4 away (float16 activations).
+    # The mean is Keras's own batch gradient, its backward pass in float16: pergrad's
+    # equals plain fit() on the same devices, and two devices differ from one by
+    # Keras's own float16 rounding (about one epsilon of the compute dtype, relative
+    # to how far the weights moved: 3e-4 and 4.5e-3 of it).
+    epsilon = {"mixed_float16": 2.0**-11, "mixed_bfloat16": 2.0**-8}
+    skipped = []
+    for key, run in report.items():
+        policy, rule = key.split("/")
+        if rule == "mean_vs_plain":
+            assert max(run) <= 1e-6, (key, run)
+            continue
+        assert run["kind"][0] == policy.split("_")[1], (key, run["kind"])
+        if policy == "mixed_float16":
+            assert run["kind"][1] == "LossScaleOptimizer", (key, run["kind"])
+        assert run["moved"] > 1e-2, (key, run["moved"])
+        if run["steps"][0][0] < 4 and run["steps"][1][0] < 4:
+            skipped.append(key)
+        if rule == "mean_skips":
+            # Keras's float16 backward pass sums the batch: a replica's sum of B / R
+            # examples overflows less often than one device's of B, so the skipped
+            # steps may differ (they do on TensorFlow), but an overflowing step is never
+            # applied (the weights would be NaN).
+            assert run["difference"] < 1.0, (key, run["difference"])
+            continue
+        # The same loss scale and skipped steps (float16 overflows) on two devices.
+        assert run["steps"][0] == run["steps"][1], (key, run["steps"])
+        if rule in ("plain", "mean"):
+            bound = 4 * epsilon[policy] * run["moved"]
+            assert run["difference"] <= bound, (key, run["difference"], bound)
+        else:
+            assert run["difference"] <= 1e-6, (key, run["difference"])
+        if run["float32"] is not None:  # the tolerance is finer than float16's effect
+            assert run["float32"] > 1e-5, (key, run["float32"])
+    # Steps were skipped (from the initial scale 2**18) and others applied.
+    assert {"mixed_float16/mean_skips", "mixed_float16/clip"} <= set(skipped), skipped
+
+
+@_only("tensorflow")
+def test_tensorflow_mirrored_strategy_mixed_precision():
+    # mixed_float16 (a LossScaleOptimizer) and mixed_bfloat16 on two replicas train
+    # as on one device: mean, clip, DP-SGD (noise 0 and on).
+    _check_mixed_precision(_run(_MIXED_PRECISION, "tensorflow"))
+
+
+@_only("jax")
+def test_jax_data_parallel_mixed_precision():
+    # As on TensorFlow, with the median (streaming path) and Krum (Gram matrix) too.
+    _check_mixed_precision(_run(
+        _MIXED_PRECISION, "jax",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"},
+    ))
+
+
+_TF_MULTI_WORKER = """
+import contextlib, hashlib, json, os, sys, time
+index, ports = int(sys.argv[1]), json.loads(sys.argv[2])
+os.environ["TF_CONFIG"] = json.dumps({
+    "cluster": {"worker": [f"localhost:{port}" for port in ports]},
+    "task": {"type": "worker", "index": index},
+})
+import numpy as np, tensorflow as tf
+ring = tf.distribute.experimental.CommunicationImplementation.RING
+strategy = tf.distribute.MultiWorkerMirroredStrategy(
+    communication_options=tf.distribute.experimental.CommunicationOptions(implementation=ring))
+import keras, pergrad, problems
+from pergrad import aggregators, privacy
+
+RULES = {
+    "mean": lambda: "mean",
+    "clip": lambda: aggregators.clip(0.5),
+    "dp_noise_1": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5),
+}
+
+def build(rule, strategy=None):
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        problem = problems.dense_mlp(batch=16)
+        model = pergrad.PerExampleModel(problem.model, RULES[rule]())
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=problem.loss)
+    return problem, model
+
+def train(rule):
+    # A custom loop: Keras 3.15's fit() fails under MultiWorkerMirroredStrategy with
+    # several workers, plain models too (docs/architecture.md, 'Multi-device training').
+    problem, model = build(rule, strategy)
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    # Every worker holds the whole data set; each global batch of 8 is split over the
+    # workers (DATA auto-sharding, as Keras's array adapter asks for).
+    data = tf.data.Dataset.from_tensor_slices((problem.x, problem.y, problem.sample_weight))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    shards = strategy.experimental_distribute_dataset(data.batch(8).with_options(options))
+    step = tf.function(lambda batch: strategy.run(model.train_step, args=(batch,)))
+    sizes = []
+    for _ in range(2):
+        for batch in shards:
+            sizes += [int(t.shape[0]) for t in strategy.experimental_local_results(batch[0])]
+            step(batch)
+    return problem.model.get_weights(), pergrad.replicas.count(model), sizes
+
+def alone(rule):
+    problem, model = build(rule)
+    model.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=8, epochs=2,
+              shuffle=False, verbose=0)
+    return problem.model.get_weights()
+
+def difference(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+start = time.time()
+report = {"replicas": strategy.num_replicas_in_sync, "differences": {}, "counts": {}, "sizes": {},
+          "digests": {}, "moved": {}}
+single = {}
+for rule in RULES:
+    weights, report["counts"][rule], report["sizes"][rule] = train(rule)
+    single[rule] = alone(rule)
+    report["differences"][rule] = difference(weights, single[rule])
+    report["moved"][rule] = difference(single[rule], build(rule)[0].model.get_weights())
+    report["digests"][rule] = hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest()
+report["noise"] = difference(single["dp_noise_1"], single["clip"])
+report["seconds"] = time.time() - start
+print(json.dumps(report))
+"""
+
+
+@_only("tensorflow")
+def test_tensorflow_multi_worker_mirrored_strategy():
+    # Two worker processes on localhost, one CPU replica each, RING collectives: mean,
+    # clip and DP-SGD (noise on) train as one device on the whole batch, pergrad counts
+    # the replicas of both workers, and the workers' weights are identical.
+    sockets = [socket.socket() for _ in range(2)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = json.dumps([s.getsockname()[1] for s in sockets])
+    for s in sockets:
+        s.close()
+    environment = dict(os.environ, KERAS_BACKEND="tensorflow")
+    environment["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(SOURCE), str(TESTS), os.environ.get("PYTHONPATH")])
+    )
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TF_MULTI_WORKER, str(index), ports],
+            env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for index in range(2)
+    ]
+    reports = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=400)
+        assert worker.returncode == 0, err[-4000:]
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    assert reports[0]["digests"] == reports[1]["digests"]  # one model: same noise, same update
+    for report in reports:
+        assert report["replicas"] == 2
+        assert set(report["counts"].values()) == {2}, report["counts"]
+        assert all(sizes == [4] * 4 for sizes in report["sizes"].values()), report["sizes"]
+        assert min(report["moved"].values()) > 1e-2, report["moved"]
+        assert report["noise"] > 1e-3, report["noise"]  # the noise is on
+        bad = {rule: d for rule, d in report["differences"].items() if not d <= 1e-5}
+        assert not bad, bad

@@ -76,8 +76,24 @@ def batch_share(aggregator, local_size):
 
     if isinstance(aggregator, Sum) or getattr(aggregator, "expected_batch_size", None) is not None:
         return None
+    return local_fraction(local_size)
+
+
+def local_fraction(local_size):
+    """``B_r / B``: this replica's part of the batch (``B``: the sum of the shard sizes)."""
     local = ops.cast(local_size, "float32")
     return local / adapter().all_reduce_sum(local)
+
+
+def finite_everywhere(gradients):
+    """``gradients``, or NaN on every replica when any replica's are not finite.
+
+    Keras's TF ``LossScaleOptimizer`` (3.15) decides whether to skip a step from
+    replica 0's gradients before they are all-reduced: a float16 overflow on
+    another replica would be applied, and the weights become NaN.
+    """
+    finite = all_true(ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in gradients])))
+    return [ops.where(finite, g, ops.cast(float("nan"), g.dtype)) for g in gradients]
 
 
 def first_replica(value):

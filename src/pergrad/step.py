@@ -93,23 +93,28 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
     per_example = None
     share = None
+    engine_scale = scale
     several = replicas.count(wrapper) > 1
     # On several replicas (pergrad.replicas): each aggregates its shard, scaled by its
     # share of the batch, or the rule runs on the whole batch, gathered.
     gathered = several and not replicas.local_share(aggregator)
     if several and not gathered:
         share = replicas.batch_share(aggregator, ops.shape(tree.flatten(x)[0])[0])
+    if several and scale is not None:
+        # B_r / B of the scale: the backward pass's float16 values as on one
+        # device (a replica's mean loss divides by B_r), so the same steps overflow.
+        engine_scale = scale * replicas.local_fraction(ops.shape(tree.flatten(x)[0])[0])
     if path == STATISTICS_PATH:
         try:
             if chunked.supports(aggregator):
                 result, aux = statistics.aggregate(
                     problem, aggregator, trainable_values, non_trainable_values,
-                    x, y, sample_weight, loss_scale=scale, gathered=gathered,
+                    x, y, sample_weight, loss_scale=engine_scale, gathered=gathered,
                 )
             else:
                 result, aux = streaming.aggregate(
                     problem, aggregator, trainable_values, non_trainable_values,
-                    x, y, sample_weight, loss_scale=scale, microbatch_size=wrapper.microbatch_size,
+                    x, y, sample_weight, loss_scale=engine_scale, microbatch_size=wrapper.microbatch_size,
                     gathered=gathered,
                 )
         except statistics.Unsupported as error:
@@ -125,7 +130,7 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
         # rule's non-finite examples are zeroed in every chunk.
         result, aux = chunked.aggregate(
             problem, aggregator, trainable_values, non_trainable_values,
-            x, y, sample_weight, wrapper.microbatch_size, loss_scale=scale,
+            x, y, sample_weight, wrapper.microbatch_size, loss_scale=engine_scale,
         )
     elif path == MATERIALIZED_PATH:
         per_example, aux = problem.compute(
@@ -135,7 +140,7 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
             y,
             sample_weight,
             wrapper.microbatch_size,
-            loss_scale=scale,
+            loss_scale=engine_scale,
         )
         if private:
             per_example = zero_non_finite_examples(per_example)
@@ -156,6 +161,10 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
             "mask, or train on one replica."
         )
     result = check_result(result, wrapper.model.trainable_variables, aggregator.name)
+    if scale is not None and replicas.count(wrapper) > 1:
+        # A collective: before the reports, which the replicas' threads share until
+        # train_step takes them (a thread yields to the others at each collective).
+        result = replicas.finite_everywhere(result)
     wrapper.__dict__["_pending_reports"] = aggregator.pop_reports()
     if share is not None:  # this replica's share of the single-device result
         result = [g * ops.cast(share, g.dtype) for g in result]
