@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import keras
 from keras import ops, tree
 
@@ -214,9 +216,18 @@ class PerExampleModel(_TrainStep, keras.Model):
         aggregator = keras.saving.deserialize_keras_object(config.pop("aggregator"), custom_objects)
         return cls(model, aggregator, **config)
 
+    def _keep_reports(self, reports):
+        """Keeps a train step's diagnostics for :meth:`compute_metrics`, per thread:
+        ``tf.distribute`` traces each replica's step in its own thread, and the
+        threads take turns at every collective."""
+        self.__dict__.setdefault("_pending_reports", {})[threading.get_ident()] = reports
+
+    def _take_reports(self):
+        return self.__dict__.get("_pending_reports", {}).pop(threading.get_ident(), None)
+
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
         # Diagnostics come from the train step that just ran, never from evaluation.
-        reports = self.__dict__.pop("_pending_reports", None)
+        reports = self._take_reports()
         for tracker in self._diagnostic_trackers:
             if reports and tracker.name in reports:
                 tracker.update_state(reports[tracker.name])

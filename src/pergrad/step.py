@@ -161,11 +161,9 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
             "mask, or train on one replica."
         )
     result = check_result(result, wrapper.model.trainable_variables, aggregator.name)
-    if scale is not None and replicas.count(wrapper) > 1:
-        # A collective: before the reports, which the replicas' threads share until
-        # train_step takes them (a thread yields to the others at each collective).
+    if scale is not None and several:
         result = replicas.finite_everywhere(result)
-    wrapper.__dict__["_pending_reports"] = aggregator.pop_reports()
+    wrapper._keep_reports(aggregator.pop_reports())
     if share is not None:  # this replica's share of the single-device result
         result = [g * ops.cast(share, g.dtype) for g in result]
     _, regularization = problem.regularization(trainable_values)

@@ -83,9 +83,8 @@ class StatefulTrainStep:
             y,
             sample_weight,
         )
-        # Each replica's own (under tf.distribute the replicas' threads take turns
-        # at every collective, the optimizer's included).
-        reports = self.__dict__.pop("_pending_reports", None)
+        # Each replica's own (kept per thread).
+        reports = self._take_reports()
         for position, state_value in zip(self._problem().seed_positions, seeds):
             variables[position].assign(state_value)
         # The logged loss is the one plain Keras reports for this batch
@@ -98,7 +97,7 @@ class StatefulTrainStep:
         with adapter().no_grad(after=x):  # after the batch check (TF graphs)
             self.optimizer.apply(grads, self.model.trainable_variables)
         if reports is not None:
-            self.__dict__["_pending_reports"] = reports
+            self._keep_reports(reports)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
