@@ -25,18 +25,29 @@ TESTS = pathlib.Path(__file__).resolve().parent
 SOURCE = TESTS.parent / "src"
 
 
-def _run(script: str, backend: str, *args: str, env: dict | None = None, timeout: int = 600):
-    """Runs ``script`` in a fresh process; returns the JSON of its last output line."""
+def _run_all(script: str, backend: str, runs: list, timeout: int = 600, env: dict | None = None):
+    """Runs ``script`` once per argument list in ``runs``, the processes at once (the
+    ranks of a process group); returns the JSON of each one's last output line."""
     environment = dict(os.environ, KERAS_BACKEND=backend, **(env or {}))
     environment["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(SOURCE), str(TESTS), os.environ.get("PYTHONPATH")])
     )
-    completed = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        env=environment, capture_output=True, text=True, timeout=timeout,
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    processes = [
+        subprocess.Popen([sys.executable, "-c", script, *args], env=environment,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for args in runs
+    ]
+    reports = []
+    for process in processes:
+        out, err = process.communicate(timeout=timeout)
+        assert process.returncode == 0, err[-4000:]
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+def _run(script: str, backend: str, *args: str, env: dict | None = None, timeout: int = 600):
+    """Runs ``script`` in a fresh process; returns the JSON of its last output line."""
+    return _run_all(script, backend, [args], timeout, env)[0]
 
 
 def _only(backend: str):
@@ -179,8 +190,8 @@ def build(rule, strategy, make=None, **options):
         model.compile(optimizer="sgd", loss=problem.loss)
     return problem, model
 
-def train(rule, strategy, make=None):
-    problem, model = build(rule, strategy, make)
+def train(rule, strategy, make=None, **options):
+    problem, model = build(rule, strategy, make, **options)
     # 13 examples in batches of 8: the second batch's shards uneven (3 + 2; 2 + 2 + 1 + 0,
     # one empty). (Keras's fit() itself fails when the first batch's shards are uneven.)
     history = model.fit(problem.x[:13], problem.y[:13], sample_weight=problem.sample_weight[:13],
@@ -227,10 +238,17 @@ for rule in ("mean", "median"):
     report["several"][f"dropout_{rule}/2"] = [
         difference(other, weights), log_difference(other_logs, logs), spread]
 
-refused = [("masked_dense", lambda: problems.masked_dense(batch=16), {}),
-           ("microbatch", None, {"microbatch_size": 4})]
-for key, make, options in refused:
-    problem, model = build("median", two, make, **options)
+# microbatch_size: the chunked path (clip), the streaming path's blocks (median).
+for rule in ("clip", "median"):
+    weights, logs, _ = train(rule, None, microbatch_size=3)
+    other, other_logs, spread = train(rule, two, microbatch_size=3)
+    report["several"][f"microbatch_{rule}/2"] = [
+        difference(other, weights), log_difference(other_logs, logs), spread]
+
+refused = [("masked_dense", "median", lambda: problems.masked_dense(batch=16), {}),
+           ("microbatch", "krum", None, {"microbatch_size": 4})]  # the chunked path's statistics
+for key, rule, make, options in refused:
+    problem, model = build(rule, two, make, **options)
     before = problem.model.get_weights()
     calls = {"fit": lambda: model.fit(problem.x, problem.y, batch_size=8, epochs=1, verbose=0)}
     if key == "microbatch":
@@ -268,7 +286,7 @@ def test_tensorflow_mirrored_strategy_exact_rules_and_refusals():
         assert difference <= 1e-6 and same_logs, (key, difference, same_logs)
     assert min(report["moved"].values()) > 1e-3, report["moved"]
     assert report["noise"] > 1e-3, report["noise"]  # the noise is on
-    assert len(report["several"]) == 27, report["several"]
+    assert len(report["several"]) == 29, report["several"]
     for key, (difference, logs, spread) in report["several"].items():
         # Same weights and logs (loss, clipped_fraction, gradient_norm) as one device;
         # the replicas' copies identical (one noise, added once).
@@ -318,21 +336,7 @@ def test_torch_process_group_refused(tmp_path):
     # Keras's torch fit() never all-reduces gradients: with a process group of two,
     # each rank would silently train its own model on its own data.
     init = (tmp_path / "rendezvous").as_uri()
-    environment = dict(os.environ, KERAS_BACKEND="torch")
-    environment["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(SOURCE), str(TESTS), os.environ.get("PYTHONPATH")])
-    )
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", _TORCH_RANK, str(rank), init],
-            env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for rank in range(2)
-    ]
-    for process in ranks:
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err[-4000:]
-        report = json.loads(out.strip().splitlines()[-1])
+    for report in _run_all(_TORCH_RANK, "torch", [[str(rank), init] for rank in range(2)], 300):
         assert report["alone"] is None  # no process group: trains
         assert report["group"] is not None, "fit() trained under a process group of two"
         assert "torch.distributed process group" in report["group"], report
@@ -677,22 +681,7 @@ def test_tensorflow_multi_worker_mirrored_strategy():
     ports = json.dumps([s.getsockname()[1] for s in sockets])
     for s in sockets:
         s.close()
-    environment = dict(os.environ, KERAS_BACKEND="tensorflow")
-    environment["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(SOURCE), str(TESTS), os.environ.get("PYTHONPATH")])
-    )
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-c", _TF_MULTI_WORKER, str(index), ports],
-            env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for index in range(2)
-    ]
-    reports = []
-    for worker in workers:
-        out, err = worker.communicate(timeout=400)
-        assert worker.returncode == 0, err[-4000:]
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+    reports = _run_all(_TF_MULTI_WORKER, "tensorflow", [[str(index), ports] for index in range(2)], 400)
     assert reports[0]["digests"] == reports[1]["digests"]  # one model: same noise, same update
     for report in reports:
         assert report["replicas"] == 2

@@ -1,13 +1,17 @@
-"""Train steps that run once per replica (``tf.distribute``): the rules made exact.
+"""Train steps that run once per replica (``tf.distribute``): every rule made exact.
 
 Keras's TF trainer runs ``train_step`` on every replica with its shard of the
-batch and the optimizer sums the replicas' gradients. For the rules here each
-replica returns its share of the single-device result, so that the sum is that
-result (docs/architecture.md, 'Multi-device training'): per-example statistics
-are local, the weights need only the global batch size (an all-reduce of the
-shard sizes), DP noise and the weight regularizer's gradient are added on
-replica 0 only, and diagnostics are all-reduced. ``keras.ops`` and the backend
-adapter only.
+batch and the optimizer sums the replicas' gradients. Each replica returns a
+part of the single-device result, so that the sum is that result
+(docs/architecture.md, 'Multi-device training'): rules whose weights need no
+other example's gradient (:func:`local_share`) aggregate their shard, scaled
+by its share of the batch; the others see the whole batch through all-gathers
+(:func:`gather`: norms, each layer's ``A`` and ``D``, or per-example gradients)
+and take their own rows (:func:`local_rows`), their own coordinates
+(:func:`owns`) or, on replica 0, the whole result (:func:`first_replica`). DP
+noise and the weight regularizer's gradient are added on replica 0 only, and
+diagnostics come from the whole batch. ``keras.ops``, ``keras.distribution``
+and the backend adapter only.
 """
 
 from __future__ import annotations
