@@ -276,9 +276,9 @@ CASES = {
     # B = 7: groups of 2, 2, 2, 1; B = 10: 3, 3, 3, 1.
     "two_level": (lambda: agg.two_level(4), lambda g: ref_two_level(g, 4, ref_median, ref_median)),
     # B = 7: 3, 3, 1; B = 10: 4, 4, 2.
-    "two_level_trimmed_krum": (
-        lambda: agg.two_level(3, agg.trimmed_mean(0.25), agg.krum(0.2)),
-        lambda g: ref_two_level(g, 3, lambda x: ref_trimmed_mean(x, 0.25), lambda x: ref_krum(x, 0.2)),
+    "two_level_trimmed_geometric": (
+        lambda: agg.two_level(3, agg.trimmed_mean(0.25), agg.geometric_median()),
+        lambda g: ref_two_level(g, 3, lambda x: ref_trimmed_mean(x, 0.25), ref_geometric_median),
     ),
 }
 
@@ -602,7 +602,7 @@ KINDS = {
     "chain_automatic_filter_meamed": base.ARBITRARY,
     "bucketing_one": base.ARBITRARY,
     "two_level": base.ARBITRARY,
-    "two_level_trimmed_krum": base.ARBITRARY,
+    "two_level_trimmed_geometric": base.ARBITRARY,
 }
 
 

@@ -524,3 +524,51 @@ def test_tensorflow_mirrored_strategy_two_level():
         cheap = key in ("two_level_2_clip/2", "two_level_4/4")
         # The local results and shard sizes: one row per replica; else the whole batch.
         assert (leading == ["1"]) == cheap, (key, leading)
+
+
+_JAX_TWO_LEVEL = """
+import json
+import jax, keras, numpy as np
+import pergrad, problems
+from pergrad import aggregators
+
+def train(replicas):
+    distribution = None
+    if replicas is not None:
+        distribution = keras.distribution.DataParallel(devices=jax.devices()[:replicas])
+    keras.distribution.set_distribution(distribution)
+    try:
+        problem = problems.dense_mlp(batch=16)
+        rule = aggregators.two_level(2, across=aggregators.clip(0.5))
+        model = pergrad.PerExampleModel(problem.model, rule)
+        model.compile(optimizer="sgd", loss=problem.loss)
+        model.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=8,
+                  epochs=2, shuffle=False, verbose=0)
+        kernel = problem.model.trainable_variables[0].value
+        return problem.model.get_weights(), len(kernel.sharding.device_set)
+    finally:
+        keras.distribution.set_distribution(None)
+
+def difference(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+alone, _ = train(None)
+report = {"moved": difference(alone, problems.dense_mlp(batch=16).model.get_weights()), "several": {}}
+for replicas in (2, 4):
+    weights, placed = train(replicas)
+    report["several"][str(replicas)] = [difference(weights, alone), placed]
+print(json.dumps(report))
+"""
+
+
+@_only("jax")
+def test_jax_data_parallel_two_level():
+    # One global program: two_level's groups are the batch's, whatever the devices
+    # (2 = groups, 4 != groups); the same weights as one device.
+    report = _run(
+        _JAX_TWO_LEVEL, "jax",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"},
+    )
+    assert report["moved"] > 1e-3, report
+    for replicas, (difference, placed) in report["several"].items():
+        assert placed == int(replicas) and difference <= 1e-5, (replicas, report)
