@@ -548,6 +548,8 @@ def test_two_level_refuses_bad_arguments():
         with pytest.raises(ValueError, match="local rule .* keeps state"):
             agg.two_level(2, stateful)
     agg.two_level(2, across=agg.centered_clip(1.0))  # state across the groups: allowed
+    with pytest.raises(ValueError, match="Krum needs 3 rows and gets at most groups=2"):
+        agg.two_level(2, across=agg.krum(0.2))
     for where in ("local", "across"):
         with pytest.raises(ValueError, match=r"cannot be used inside two_level\(\.\.\.\)"):
             agg.two_level(2, **{where: privacy.dp_gaussian(1.0, 1.0)})
@@ -559,6 +561,22 @@ def test_two_level_refuses_bad_arguments():
     for batch_size in (8, 10):
         with pytest.raises(ValueError, match=r"groups of \[3, 3, 3, 1\]|needs a batch of at least 9"):
             run(rule, random_gradients(batch_size, shapes=[(3,)]))
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="only TensorFlow traces unknown batch sizes")
+def test_two_level_checks_groups_at_run_time_for_unknown_batch_sizes():
+    import tensorflow as tf
+
+    rule = agg.two_level(4, agg.krum(0.2))
+    graph = tf.function(lambda g: rule([g]), input_signature=[tf.TensorSpec((None, 3), tf.float32)])
+    graph(tensors(random_gradients(9, shapes=[(3,)]))[0])  # 3, 3, 3
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Krum needs 3 examples"):
+        graph(tensors(random_gradients(10, shapes=[(3,)]))[0])  # 3, 3, 3, 1
+    across = agg.two_level(4, agg.median(), agg.krum(0.2))  # Krum needs 3 groups
+    graph = tf.function(lambda g: across([g]), input_signature=[tf.TensorSpec((None, 3), tf.float32)])
+    graph(tensors(random_gradients(3, shapes=[(3,)]))[0])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-empty groups"):
+        graph(tensors(random_gradients(2, shapes=[(3,)]))[0])
 
 
 def test_two_level_trains_as_the_batch_of_one_oracle():

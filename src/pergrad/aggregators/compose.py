@@ -32,6 +32,7 @@ from pergrad.aggregators.base import (
     get,
 )
 from pergrad.arguments import check_integer
+from pergrad.backend import adapter
 
 
 def _serializable(cls):
@@ -324,7 +325,12 @@ class TwoLevel(Aggregator):
     ``local`` is applied once per group, so it must keep no state (centered
     clipping, bucketing's random stream are refused there; ``across`` may).
     Differentially private rules are refused at either level. Diagnostics are
-    ``across``'s (``local``'s, one per group, are dropped).
+    ``across``'s (``local``'s, one per group, are dropped). A batch whose smallest
+    non-empty group is too small for ``local``, or whose groups are too few for
+    ``across``, raises (``ValueError``; TensorFlow's unknown batch sizes and shards:
+    at run time); the sizes that work need not be contiguous (with ``groups=4``
+    and a local rule needing 3 examples, 9 examples work and 10, split 3, 3, 3, 1,
+    do not), and ``min_batch_size`` is the smallest.
 
     Args:
         groups: how many groups (the replicas of the intended setup).
@@ -348,6 +354,12 @@ class TwoLevel(Aggregator):
                 "several replicas, once per replica on its own shard), so its state would "
                 "not be one well-defined sequence. Use a stateless local rule (median, "
                 "trimmed_mean, mean, clip, ...); stateful rules may be the across rule."
+            )
+        if self.across.min_batch_size > self.groups:
+            raise ValueError(
+                f"two_level: the across rule {type(self.across).__name__} needs "
+                f"{self.across.min_batch_size} rows and gets at most groups={self.groups} (one "
+                "per group). Use more groups or another across rule."
             )
         self.diagnostics = tuple(self.across.diagnostics)
         self.min_batch_size = self._smallest_batch()
@@ -420,7 +432,23 @@ class TwoLevel(Aggregator):
             results.append(self._local([_rows(v, start, size) for v in gradients]))
         count = (batch_size + rows_per - 1) // rows_per
         stacked = [ops.stack([r[k] for r in results]) for k in range(len(gradients))]
-        return self.across([_rows(v, 0, count) for v in stacked])
+        smallest = batch_size - (count - 1) * rows_per  # the last non-empty group
+        return self.across(self._checked([_rows(v, 0, count) for v in stacked], smallest, count))
+
+    def _checked(self, rows, smallest, count):
+        """``rows`` made to wait for a run-time check that the smallest non-empty group
+        and the number of groups are large enough for the rules (sizes unknown while
+        tracing: ``check_batch_size`` could not run)."""
+        for value, rule, what in ((smallest, self.local, "in its smallest non-empty group"),
+                                  (count, self.across, "non-empty groups")):
+            if rule.min_batch_size > 1:
+                rows = adapter().assert_at_least(
+                    value, rule.min_batch_size,
+                    f"Aggregator {self.name!r} (TwoLevel): {type(rule).__name__} needs "
+                    f"{rule.min_batch_size} examples; the batch has fewer {what}.",
+                    rows,
+                )
+        return rows
 
     def aggregate_over_replicas(self, gradients):
         """The result on ``groups`` replicas, from this replica's shard's per-example
@@ -437,7 +465,9 @@ class TwoLevel(Aggregator):
         nonempty = ops.greater(sizes, 0)
         order = ops.argsort(ops.where(nonempty, position, position + self.groups))
         count = ops.sum(ops.cast(nonempty, "int32"))
-        return self.across([_rows(ops.take(r, order, axis=0), 0, count) for r in rows])
+        smallest = ops.min(ops.where(nonempty, sizes, ops.max(sizes)))
+        rows = [_rows(ops.take(r, order, axis=0), 0, count) for r in rows]
+        return self.across(self._checked(rows, smallest, count))
 
     def pop_reports(self):
         reports = super().pop_reports()
