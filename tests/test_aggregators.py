@@ -184,6 +184,16 @@ def ref_centered_clip(gs, center, tau, iters=1):
     return unflatten(v, shapes_of(gs))
 
 
+def ref_two_level(gs, groups, local, across):
+    """``local`` on each contiguous group of ``ceil(B / groups)`` examples (the last ones
+    smaller, empty ones skipped), ``across`` on the stacked group results."""
+    batch_size = gs[0].shape[0]
+    rows = math.ceil(batch_size / groups)
+    results = [local([np.asarray(g, "float64")[start : start + rows] for g in gs])
+               for start in range(0, batch_size, rows)]
+    return across([np.stack([r[k] for r in results]) for k in range(len(gs))])
+
+
 # Pre-processing references for chain: lists (B, ...) -> (B', ...).
 
 
@@ -263,6 +273,13 @@ CASES = {
         lambda g: ref_meamed(pre_norm_filter(pre_automatic_clip(g), 0.25), 0.1),
     ),
     "bucketing_one": (lambda: agg.bucketing(1, agg.median()), ref_median),
+    # B = 7: groups of 2, 2, 2, 1; B = 10: 3, 3, 3, 1.
+    "two_level": (lambda: agg.two_level(4), lambda g: ref_two_level(g, 4, ref_median, ref_median)),
+    # B = 7: 3, 3, 1; B = 10: 4, 4, 2.
+    "two_level_trimmed_geometric": (
+        lambda: agg.two_level(3, agg.trimmed_mean(0.25), agg.geometric_median()),
+        lambda g: ref_two_level(g, 3, lambda x: ref_trimmed_mean(x, 0.25), ref_geometric_median),
+    ),
 }
 
 
@@ -470,6 +487,116 @@ def test_bucketing_with_a_partial_last_bucket():
     assert any(np.allclose(means[2], p, atol=1e-5) for p in points)
 
 
+@pytest.mark.parametrize(
+    "batch_size, groups, sizes",
+    [(5, 2, [3, 2]), (7, 4, [2, 2, 2, 1]), (5, 4, [2, 2, 1]), (13, 4, [4, 4, 4, 1]), (4, 3, [2, 2])],
+)
+def test_two_level_groups_split_as_tf_distribute(batch_size, groups, sizes):
+    # tf.distribute's split of a global batch over R replicas (checked on TF 2.21 for
+    # B = 1..13, R = 2, 3, 4): ceil(B / R) rows each, in order; empty groups skipped.
+    gradients = random_gradients(batch_size, seed=batch_size)
+    seen, rows = [], []
+
+    def local(group):
+        seen.append(numpy(group))
+        return [ops.max(g, axis=0) for g in group]
+
+    def across(results):
+        rows.append(numpy(results))
+        return [ops.sum(r, axis=0) for r in results]
+
+    result = run(agg.two_level(groups, local, across), gradients)
+    assert [len(group[0]) for group in seen] == sizes
+    start = 0
+    for group, size in zip(seen, sizes):  # contiguous, in order
+        assert_close(group, [np.asarray(g[start : start + size], "float64") for g in gradients])
+        start += size
+    assert len(rows[0][0]) == len(sizes)
+    assert_close(result, [sum(np.max(g[a : a + n], axis=0) for a, n in zip(np.cumsum([0] + sizes), sizes))
+                          for g in gradients])
+
+
+def test_two_level_closed_forms():
+    gradients = random_gradients(10, seed=3)
+    # One group: the local rule (across one row is that row).
+    assert_close(run(agg.two_level(1, agg.trimmed_mean(0.2), agg.median()), gradients),
+                 ref_trimmed_mean(gradients, 0.2))
+    # B groups of one example: the across rule over the examples, whatever the local rule.
+    assert_close(run(agg.two_level(10, agg.trimmed_mean(0.3), agg.krum(0.2)), gradients),
+                 ref_krum(gradients, 0.2))
+    # A median of medians, not the median: the two rules differ on this batch.
+    assert not np.allclose(flatten([r[None] for r in run(agg.two_level(2), gradients)]),
+                           flatten([r[None] for r in ref_median(gradients)]), atol=1e-3)
+    # One corrupted group out of five is one bad row of the across median.
+    corrupted = [g.copy() for g in gradients]
+    for g in corrupted:
+        g[:2] = 1e6
+    clean = run(agg.two_level(5), gradients)
+    assert max(float(np.max(np.abs(c))) for c in run(agg.two_level(5), corrupted)) < 10
+    assert max(float(np.max(np.abs(c))) for c in clean) < 10
+
+
+def test_two_level_refuses_bad_arguments():
+    from pergrad import privacy
+
+    for groups in (0, -1, 2.5, True, "2", None):
+        with pytest.raises(ValueError, match="two_level: groups must be a positive integer"):
+            agg.two_level(groups)
+    with pytest.raises(ValueError, match="Unknown aggregator 'medain'"):
+        agg.two_level(2, "medain")
+    for stateful in (agg.centered_clip(1.0), agg.bucketing(2, agg.median())):
+        with pytest.raises(ValueError, match="local rule .* keeps state"):
+            agg.two_level(2, stateful)
+    agg.two_level(2, across=agg.centered_clip(1.0))  # state across the groups: allowed
+    with pytest.raises(ValueError, match="Krum needs 3 rows and gets at most groups=2"):
+        agg.two_level(2, across=agg.krum(0.2))
+    for where in ("local", "across"):
+        with pytest.raises(ValueError, match=r"cannot be used inside two_level\(\.\.\.\)"):
+            agg.two_level(2, **{where: privacy.dp_gaussian(1.0, 1.0)})
+    # Krum(0.2) needs 3 examples per group: 9 examples in 4 groups (3, 3, 3) do, 8 and
+    # 10 (3, 3, 3, 1) do not.
+    rule = agg.two_level(4, agg.krum(0.2))
+    assert rule.min_batch_size == 9
+    run(rule, random_gradients(9, shapes=[(3,)]))
+    for batch_size in (8, 10):
+        with pytest.raises(ValueError, match=r"groups of \[3, 3, 3, 1\]|needs a batch of at least 9"):
+            run(rule, random_gradients(batch_size, shapes=[(3,)]))
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="only TensorFlow traces unknown batch sizes")
+def test_two_level_checks_groups_at_run_time_for_unknown_batch_sizes():
+    import tensorflow as tf
+
+    rule = agg.two_level(4, agg.krum(0.2))
+    graph = tf.function(lambda g: rule([g]), input_signature=[tf.TensorSpec((None, 3), tf.float32)])
+    graph(tensors(random_gradients(9, shapes=[(3,)]))[0])  # 3, 3, 3
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Krum needs 3 examples"):
+        graph(tensors(random_gradients(10, shapes=[(3,)]))[0])  # 3, 3, 3, 1
+    across = agg.two_level(4, agg.median(), agg.krum(0.2))  # Krum needs 3 groups
+    graph = tf.function(lambda g: across([g]), input_signature=[tf.TensorSpec((None, 3), tf.float32)])
+    graph(tensors(random_gradients(3, shapes=[(3,)]))[0])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-empty groups"):
+        graph(tensors(random_gradients(2, shapes=[(3,)]))[0])
+
+
+def test_two_level_trains_as_the_batch_of_one_oracle():
+    import oracle
+    import pergrad
+    import problems
+
+    problem = problems.dense_mlp(batch=7)
+    problem.compile(optimizer=keras.optimizers.SGD(0.5))
+    initial = problem.model.get_weights()
+    per_example = oracle.batch_of_one_gradients(problem.model, problem.x, problem.y, problem.sample_weight)
+    expected = ref_two_level(per_example, 4, ref_median, lambda x: ref_trimmed_mean(x, 0.25))
+    model = pergrad.PerExampleModel(problem.model, agg.two_level(4, across=agg.trimmed_mean(0.25)))
+    problem.compile(model, optimizer=keras.optimizers.SGD(0.5))
+    model.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=7, epochs=1,
+              shuffle=False, verbose=0)
+    for weight, start, step in zip(problem.model.get_weights(), initial, expected):
+        np.testing.assert_allclose(weight, start - 0.5 * step, atol=1e-5)
+
+
 # -- kinds, names, diagnostics, configs, batch sizes --------------------------------------
 
 KINDS = {
@@ -492,6 +619,8 @@ KINDS = {
     "chain_clip_clip_mean": base.STATISTICS,
     "chain_automatic_filter_meamed": base.ARBITRARY,
     "bucketing_one": base.ARBITRARY,
+    "two_level": base.ARBITRARY,
+    "two_level_trimmed_geometric": base.ARBITRARY,
 }
 
 

@@ -691,3 +691,127 @@ def test_tensorflow_multi_worker_mirrored_strategy():
         assert report["noise"] > 1e-3, report["noise"]  # the noise is on
         bad = {rule: d for rule, d in report["differences"].items() if not d <= 1e-5}
         assert not bad, bad
+
+
+_TF_TWO_LEVEL = """
+import contextlib, json
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
+import pergrad, problems
+from pergrad import aggregators
+
+RULES = {
+    # A median in each group, then clipping across the groups (its clipped_fraction logged).
+    "two_level_2_clip": lambda: aggregators.two_level(2, across=aggregators.clip(0.5)),
+    "two_level_4": lambda: aggregators.two_level(4),  # a median of medians
+}
+gathered = []  # the shapes every replica all-gathers
+original = pergrad.replicas.gather
+
+def recording(value):
+    gathered.append(value.shape[0])
+    return original(value)
+
+pergrad.replicas.gather = recording
+
+def train(rule, strategy):
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        problem = problems.dense_mlp(batch=16)
+        model = pergrad.PerExampleModel(problem.model, RULES[rule]())
+        model.compile(optimizer="sgd", loss=problem.loss)
+    del gathered[:]
+    # 13 examples in batches of 8: shards 4 + 4, then 3 + 2 (R = 2); 2 + 2 + 2 + 2, then
+    # 2 + 2 + 1 + 0 (R = 4: an empty shard, an empty group).
+    history = model.fit(problem.x[:13], problem.y[:13], sample_weight=problem.sample_weight[:13],
+                        batch_size=8, epochs=2, shuffle=False, verbose=0)
+    spread = max(
+        float(np.max(np.abs(parts[0].numpy() - part.numpy())))
+        for parts in (getattr(v.value, "values", (v.value,)) for v in model.weights)
+        for part in parts
+    )
+    logs = {k: v[-1] for k, v in history.history.items()}
+    return problem.model.get_weights(), logs, spread, sorted(set(map(str, gathered)))
+
+def difference(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+two = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+four = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)],
+                                      cross_device_ops=tf.distribute.ReductionToOneDevice())
+report = {"several": {}, "moved": {}}
+for rule, runs in [("two_level_2_clip", [(2, two)]), ("two_level_4", [(4, four), (2, two)])]:
+    alone, logs, _, _ = train(rule, None)
+    report["moved"][rule] = difference(alone, problems.dense_mlp(batch=16).model.get_weights())
+    for replicas, strategy in runs:
+        weights, other_logs, spread, leading = train(rule, strategy)
+        report["several"][f"{rule}/{replicas}"] = [
+            difference(weights, alone), max(abs(logs[k] - other_logs[k]) for k in logs),
+            sorted(logs) == sorted(other_logs), spread, leading]
+print(json.dumps(report))
+"""
+
+
+@_only("tensorflow")
+def test_tensorflow_mirrored_strategy_two_level():
+    # two_level(groups=R) on R MirroredStrategy replicas: each replica's shard is one
+    # group, and only the R local results are all-gathered (every gathered tensor has
+    # one row: not the per-example gradients); the weights and logs are those of one
+    # device with the same rule, uneven shards and an empty one included. With groups
+    # != R the rule runs on the gathered batch, as every arbitrary rule, still exact.
+    report = _run(_TF_TWO_LEVEL, "tensorflow")
+    assert min(report["moved"].values()) > 1e-3, report["moved"]
+    assert sorted(report["several"]) == ["two_level_2_clip/2", "two_level_4/2", "two_level_4/4"]
+    for key, (difference, logs, same_logs, spread, leading) in report["several"].items():
+        assert difference <= 1e-5 and logs <= 1e-5 and same_logs and spread == 0.0, (key, report)
+        cheap = key in ("two_level_2_clip/2", "two_level_4/4")
+        # The local results and shard sizes: one row per replica; else the whole batch.
+        assert (leading == ["1"]) == cheap, (key, leading)
+
+
+_JAX_TWO_LEVEL = """
+import json
+import jax, keras, numpy as np
+import pergrad, problems
+from pergrad import aggregators
+
+def train(replicas):
+    distribution = None
+    if replicas is not None:
+        distribution = keras.distribution.DataParallel(devices=jax.devices()[:replicas])
+    keras.distribution.set_distribution(distribution)
+    try:
+        problem = problems.dense_mlp(batch=16)
+        rule = aggregators.two_level(2, across=aggregators.clip(0.5))
+        model = pergrad.PerExampleModel(problem.model, rule)
+        model.compile(optimizer="sgd", loss=problem.loss)
+        model.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=8,
+                  epochs=2, shuffle=False, verbose=0)
+        kernel = problem.model.trainable_variables[0].value
+        return problem.model.get_weights(), len(kernel.sharding.device_set)
+    finally:
+        keras.distribution.set_distribution(None)
+
+def difference(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+alone, _ = train(None)
+report = {"moved": difference(alone, problems.dense_mlp(batch=16).model.get_weights()), "several": {}}
+for replicas in (2, 4):
+    weights, placed = train(replicas)
+    report["several"][str(replicas)] = [difference(weights, alone), placed]
+print(json.dumps(report))
+"""
+
+
+@_only("jax")
+def test_jax_data_parallel_two_level():
+    # One global program: two_level's groups are the batch's, whatever the devices
+    # (2 = groups, 4 != groups); the same weights as one device.
+    report = _run(
+        _JAX_TWO_LEVEL, "jax",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"},
+    )
+    assert report["moved"] > 1e-3, report
+    for replicas, (difference, placed) in report["several"].items():
+        assert placed == int(replicas) and difference <= 1e-5, (replicas, report)

@@ -14,6 +14,7 @@ from keras import ops, tree
 
 from pergrad import compat, replicas
 from pergrad.aggregators.base import STATISTICS, check_result, zero_non_finite_examples
+from pergrad.aggregators.compose import TwoLevel
 from pergrad.engine import chunked, statistics, streaming
 
 #: The paths ``engine_path`` chooses between.
@@ -144,7 +145,10 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
         )
         if private:
             per_example = zero_non_finite_examples(per_example)
-        if gathered:  # every replica runs the rule on the whole batch; counted once
+        if gathered and isinstance(aggregator, TwoLevel) and aggregator.groups == replicas.count(wrapper):
+            # One group per replica: only the R local results are exchanged; counted once.
+            result = [replicas.first_replica(g) for g in aggregator.aggregate_over_replicas(per_example)]
+        elif gathered:  # every replica runs the rule on the whole batch; counted once
             per_example = [replicas.gather(g) for g in per_example]
             result = [replicas.first_replica(g) for g in aggregator(per_example)]
         else:

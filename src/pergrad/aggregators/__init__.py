@@ -34,6 +34,7 @@ from pergrad.aggregators.clipping import automatic_clip
 from pergrad.aggregators.compose import (
     bucketing,
     chain,
+    two_level,
 )
 from pergrad.aggregators.robust import (
     centered_clip,
@@ -84,5 +85,6 @@ __all__ = [
     "sign_majority",
     "sum",
     "trimmed_mean",
+    "two_level",
     "weighted_sum",
 ]

@@ -8,6 +8,9 @@ clipping and automatic clipping rescale each example (``B' = B``),
 :func:`chain` runs such steps in order and hands the result to its last rule::
 
     chain(clip(1.0), bucketing(2), median())
+
+:func:`two_level` is a rule of rules: one rule on each contiguous group of the
+batch (a replica's shard), another across the groups' results.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 import keras
 from keras import ops
 
+from pergrad import compat, replicas
 from pergrad.aggregators.base import (
     ARBITRARY,
     STATISTICS,
@@ -28,6 +32,7 @@ from pergrad.aggregators.base import (
     get,
 )
 from pergrad.arguments import check_integer
+from pergrad.backend import adapter
 
 
 def _serializable(cls):
@@ -275,6 +280,214 @@ class Bucketing(Aggregator):
         return {**super().get_config(), "size": self.size, "aggregator": aggregator, "seed": self.seed}
 
 
+def _stateful(rule: Aggregator) -> bool:
+    """Whether ``rule`` or a rule inside it keeps state (centered clipping's center, a
+    random stream)."""
+    return any(
+        getattr(layer, "state_per_variable", False) or compat.seed_generators(layer)
+        for layer in compat.flatten_layers(rule, include_self=True)
+    )
+
+
+def group_sizes(batch_size: int, groups: int) -> list[int]:
+    """The sizes of ``groups`` contiguous groups of a batch, as ``tf.distribute`` splits a
+    global batch over ``groups`` replicas: ``ceil(B / groups)`` rows each, in order, the
+    last groups smaller or empty (``[3, 2]`` for 5 over 2, ``[2, 2, 1, 0]`` for 5 over 4)."""
+    rows = -(-batch_size // groups)
+    return [min(rows, max(0, batch_size - g * rows)) for g in range(groups)]
+
+
+@_serializable
+class TwoLevel(Aggregator):
+    """A two-level rule: ``local`` on each group of the batch, then ``across`` the groups.
+
+    The batch of ``B`` examples is split into ``groups`` contiguous groups as
+    ``tf.distribute.MirroredStrategy`` splits a global batch over ``groups``
+    replicas: ``ceil(B / groups)`` examples each, in order, the last groups
+    smaller; empty groups are skipped (5 examples over 4 groups: 2, 2, 1). ``local``
+    reduces each group's per-example gradients to one gradient, and ``across``
+    aggregates those ``G`` results as if they were ``G`` examples. Kind
+    ``"arbitrary"``.
+
+    This is a different aggregator from ``across`` over the whole batch: the
+    default is a median of medians, not the median. Its robustness is per group:
+    a group whose examples are all corrupted (a Byzantine replica, a poisoned
+    data shard) is one bad "example" of ``across``, so a median across ``G``
+    groups tolerates fewer than half of them bad, whatever each contains, while a
+    few bad examples within a group are handled by ``local``. The definition
+    does not depend on the devices; on ``groups`` TensorFlow replicas (a
+    ``MirroredStrategy`` with ``R == groups``) each group is one replica's shard,
+    and each replica applies ``local`` to its own shard and exchanges only its
+    result (``R x P`` values instead of ``B x P``; docs/architecture.md,
+    'Multi-device training'). With another number of replicas it runs on the
+    gathered batch, as other rules of its kind.
+
+    ``local`` is applied once per group, so it must keep no state (centered
+    clipping, bucketing's random stream are refused there; ``across`` may).
+    Differentially private rules are refused at either level. Diagnostics are
+    ``across``'s (``local``'s, one per group, are dropped). A batch whose smallest
+    non-empty group is too small for ``local``, or whose groups are too few for
+    ``across``, raises (``ValueError``; TensorFlow's unknown batch sizes and shards:
+    at run time); the sizes that work need not be contiguous (with ``groups=4``
+    and a local rule needing 3 examples, 9 examples work and 10, split 3, 3, 3, 1,
+    do not), and ``min_batch_size`` is the smallest.
+
+    Args:
+        groups: how many groups (the replicas of the intended setup).
+        local: the rule within a group; an aggregator or its name.
+        across: the rule across the groups' results; an aggregator or its name.
+    """
+
+    kind = ARBITRARY
+
+    def __init__(self, groups: int, local="median", across="median", **kwargs):
+        super().__init__(**kwargs)
+        self.groups = check_integer("two_level", "groups", groups)
+        self.local = get(local)
+        self.across = get(across)
+        for rule in (self.local, self.across):
+            _refuse_private(rule, "two_level(...)")
+        if _stateful(self.local):
+            raise ValueError(
+                f"two_level: the local rule {type(self.local).__name__} keeps state (a "
+                "center, a random stream), but the local rule runs once per group (on "
+                "several replicas, once per replica on its own shard), so its state would "
+                "not be one well-defined sequence. Use a stateless local rule (median, "
+                "trimmed_mean, mean, clip, ...); stateful rules may be the across rule."
+            )
+        if self.across.min_batch_size > self.groups:
+            raise ValueError(
+                f"two_level: the across rule {type(self.across).__name__} needs "
+                f"{self.across.min_batch_size} rows and gets at most groups={self.groups} (one "
+                "per group). Use more groups or another across rule."
+            )
+        self.diagnostics = tuple(self.across.diagnostics)
+        self.min_batch_size = self._smallest_batch()
+
+    def _problem(self, batch_size: int) -> str | None:
+        """Why the rule is undefined for ``batch_size`` examples, or ``None``."""
+        sizes = [n for n in group_sizes(batch_size, self.groups) if n > 0]
+        small = [n for n in sizes if n < self.local.min_batch_size]
+        if small:
+            return (
+                f" two_level splits {batch_size} examples into groups of {sizes} and the "
+                f"local rule {type(self.local).__name__} needs {self.local.min_batch_size} "
+                "examples in each."
+            )
+        if len(sizes) < self.across.min_batch_size:
+            return (
+                f" two_level splits {batch_size} examples into {len(sizes)} non-empty "
+                f"groups and the across rule {type(self.across).__name__} needs "
+                f"{self.across.min_batch_size} of them."
+            )
+        return None
+
+    def _smallest_batch(self, limit: int = 100_000) -> int:
+        for batch_size in range(1, limit):
+            if self._problem(batch_size) is None:
+                return batch_size
+        raise ValueError(f"two_level: no batch size below {limit} satisfies both rules.")
+
+    def check_batch_size(self, batch_size: int) -> None:
+        super().check_batch_size(batch_size)
+        # Not monotone: 10 examples in 4 groups leave a last group of 1.
+        problem = self._problem(batch_size)
+        if problem is not None:
+            raise ValueError(
+                f"Aggregator {self.name!r} (TwoLevel) is undefined for a batch of "
+                f"{batch_size} examples:{problem}"
+            )
+
+    def batch_size_requirement(self):
+        return self._problem(self.min_batch_size - 1) or ""
+
+    def build(self, shapes):
+        for rule in (self.local, self.across):
+            if not rule.built:
+                rule.build(shapes)
+        self.built = True
+
+    def _local(self, gradients) -> list:
+        result = list(self.local(gradients))
+        self.local.pop_reports()  # one per group: not reported
+        return result
+
+    def aggregate(self, gradients):
+        batch_size = ops.shape(gradients[0])[0]
+        if isinstance(batch_size, int):
+            results, start = [], 0
+            for size in group_sizes(batch_size, self.groups):
+                if size:  # empty groups are skipped
+                    results.append(self._local([g[start : start + size] for g in gradients]))
+                start += size
+            rows = [ops.stack([r[k] for r in results]) for k in range(len(gradients))]
+            return self.across(rows)
+        # An unknown batch size (TensorFlow retraces a smaller last batch): every group
+        # computed, an empty one on a stand-in row; the non-empty ones come first.
+        rows_per = ops.maximum((batch_size + self.groups - 1) // self.groups, 1)
+        results = []
+        for g in range(self.groups):
+            start = ops.minimum(g * rows_per, batch_size - 1)
+            size = ops.maximum(ops.minimum(rows_per, batch_size - g * rows_per), 1)
+            results.append(self._local([_rows(v, start, size) for v in gradients]))
+        count = (batch_size + rows_per - 1) // rows_per
+        stacked = [ops.stack([r[k] for r in results]) for k in range(len(gradients))]
+        smallest = batch_size - (count - 1) * rows_per  # the last non-empty group
+        return self.across(self._checked([_rows(v, 0, count) for v in stacked], smallest, count))
+
+    def _checked(self, rows, smallest, count):
+        """``rows`` made to wait for a run-time check that the smallest non-empty group
+        and the number of groups are large enough for the rules (sizes unknown while
+        tracing: ``check_batch_size`` could not run)."""
+        for value, rule, what in ((smallest, self.local, "in its smallest non-empty group"),
+                                  (count, self.across, "non-empty groups")):
+            if rule.min_batch_size > 1:
+                rows = adapter().assert_at_least(
+                    value, rule.min_batch_size,
+                    f"Aggregator {self.name!r} (TwoLevel): {type(rule).__name__} needs "
+                    f"{rule.min_batch_size} examples; the batch has fewer {what}.",
+                    rows,
+                )
+        return rows
+
+    def aggregate_over_replicas(self, gradients):
+        """The result on ``groups`` replicas, from this replica's shard's per-example
+        gradients: ``local`` on the shard, its result all-gathered (one row per
+        replica, in replica order: the groups' order), ``across`` on the rows of the
+        non-empty shards. Every replica returns the same value."""
+        size = ops.shape(gradients[0])[0]
+        # An empty shard's stand-in row (zeros), dropped below.
+        padded = [ops.concatenate([g, ops.zeros((1,) + tuple(g.shape[1:]), g.dtype)]) for g in gradients]
+        local = self._local([_rows(g, 0, ops.maximum(size, 1)) for g in padded])
+        rows = [replicas.gather(ops.expand_dims(r, 0)) for r in local]
+        sizes = replicas.gather(ops.reshape(ops.convert_to_tensor(size, "int32"), (1,)))
+        position = ops.arange(self.groups, dtype="int32")
+        nonempty = ops.greater(sizes, 0)
+        order = ops.argsort(ops.where(nonempty, position, position + self.groups))
+        count = ops.sum(ops.cast(nonempty, "int32"))
+        smallest = ops.min(ops.where(nonempty, sizes, ops.max(sizes)))
+        rows = [_rows(ops.take(r, order, axis=0), 0, count) for r in rows]
+        return self.across(self._checked(rows, smallest, count))
+
+    def pop_reports(self):
+        reports = super().pop_reports()
+        reports.update(self.across.pop_reports())
+        return reports
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "groups": self.groups,
+            "local": keras.saving.serialize_keras_object(self.local),
+            "across": keras.saving.serialize_keras_object(self.across),
+        }
+
+
+def _rows(values, start, size):
+    """``values[start : start + size]`` for tensor bounds."""
+    return ops.slice(values, (start,) + (0,) * (len(values.shape) - 1), (size,) + tuple(values.shape[1:]))
+
+
 def chain(*steps) -> Chain:
     """Pre-processing steps, then a final rule: ``chain(clip(1.0), bucketing(2), median())``."""
     return Chain(list(steps))
@@ -283,3 +496,8 @@ def chain(*steps) -> Chain:
 def bucketing(size: int, aggregator=None, seed: int | None = None) -> Bucketing:
     """Averages random buckets of ``size`` examples, then applies ``aggregator``."""
     return Bucketing(size, aggregator, seed=seed)
+
+
+def two_level(groups: int, local="median", across="median") -> TwoLevel:
+    """``local`` on each of ``groups`` contiguous groups of the batch, then ``across`` them."""
+    return TwoLevel(groups, local, across)
