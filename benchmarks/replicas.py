@@ -115,7 +115,7 @@ def formula(rule: str, replicas: int, backend: str) -> tuple[str, int]:
             "automatic_clip": ("4(P + 1)", 4 * (p + 1)),
             "dp_gaussian": ("4(P + 1)", 4 * (p + 1)),
             "clip": ("4(P + 3)", 4 * (p + 3)),  # + the clipped-fraction counts
-            # gathered statistics: the B x V per-example squared norms, then the gradient
+            # gathered statistics: the B x V per-example norms, then the gradient
             "norm_filter": ("4BV + 4P", 4 * b * v + 4 * p),
             # + each layer's A and D rows (every replica forms the B x B Gram matrix)
             "krum": ("4B·Σ(d_in+d_out) + 4BV + 4P", 4 * b * rows + 4 * b * v + 4 * p),
