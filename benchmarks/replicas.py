@@ -23,15 +23,19 @@ step') and the median step time::
   inside a ``while`` loop counts once per iteration when XLA knows the trip
   count, else once (marked ``loop?``).
 - TensorFlow: R logical CPU devices and ``tf.distribute.MirroredStrategy``
-  (whose cross-device ops on CPUs are collective ops). The collectives are the
-  ``Collective*`` ops of the traced train function's graph (Keras's
-  ``one_step_on_data`` and the functions it calls), on the device of replica 0;
-  bytes are their output tensors' sizes. A dimension unknown at trace time is
-  the replica's batch B/R (an all-gather's output: R times its input), marked
-  ``dyn``. The logs Keras averages over the replicas (``reduce_per_replica``:
-  a ``Mean`` of the R scalars) and the iteration counter are implicit copies,
-  not collectives, and are not counted. A rule ``pergrad`` refuses on several
-  replicas is a ``refused: <message>`` row.
+  (whose cross-device ops on CPUs are collective ops). The bytes are measured
+  at run time (:class:`TFCounter`): the functions of
+  ``tensorflow.python.ops.collective_ops`` that ``tf.distribute`` builds its
+  collectives with are wrapped, the train function is traced again with a host
+  callback after each collective on replica 0's device, and one step records
+  the size of every collective's actual output (an all-gather of shards that
+  may be uneven is two collectives in TF: the shards' shapes, then the shards
+  padded to the largest). The graph's ``Collective*`` ops on replica 0 are
+  counted too (:func:`tf_collectives`): a row is an error if the counter missed
+  one. The logs Keras averages over the replicas (``reduce_per_replica``: a
+  ``Mean`` of the R scalars) and the iteration counter are implicit copies, not
+  collectives, and are not counted. The timed steps run without the callbacks.
+  A rule ``pergrad`` refuses on several replicas is a ``refused: <message>`` row.
 
 The bytes are what the step's collectives produce on each device (an
 all-gather's result is the whole gathered array, the device's own part
@@ -92,24 +96,36 @@ def formula(rule: str, replicas: int, backend: str) -> tuple[str, int]:
     """The documented bytes per step per device, as text and as a number for this model.
 
     Leading terms, float32 (4 bytes a value): the measured bytes add a few
-    scalars (the loss, flags) and, for the selection rules, ``O(B)`` integer
-    indices. On TensorFlow, rules other than the statistics ones get the
-    formula of all-gathering each layer's ``A`` and ``D`` rows plus the
-    gradient's all-reduce (what an exact step on ``MirroredStrategy`` needs).
+    scalars (the loss, flags), ``O(B)`` vectors and integer indices and, on
+    TensorFlow, the shapes each all-gather exchanges first (``R x rank``
+    int32). TensorFlow: what each of the three ways of ``pergrad.replicas``
+    gathers (docs/architecture.md). JAX: what XLA's partitioner inserts.
     """
     p = sum(i * o + o for i, o in LAYERS)
     b, r, t = BATCH, replicas, GEOMED_ITERATIONS
     rows = sum(i + o for i, o in LAYERS)  # sum_l (d_in + d_out)
     rows_bias = sum(i + 2 * o for i, o in LAYERS)  # with the bias gradients' rows
+    (d0, d1), (_, d2) = LAYERS  # the widths of the MLP d0-d1-d2
+    coordinates = 8 * b * (d0 + d2) + 4 * b * d1 // r + 4 * b * d2 + 4 * p
     if backend == "tensorflow":
-        gathered = ("4B·Σ(d_in+d_out) + 4P", 4 * b * rows + 4 * p)
-        table = dict.fromkeys(RULES, gathered)
-        table.update({  # the gradient and the shard size (pergrad.replicas.batch_share)
+        v = 2 * len(LAYERS)  # variables: a kernel and a bias per Dense layer
+        a_d = ("4B·Σ(d_in+d_out) + 4P", 4 * b * rows + 4 * p)  # each layer's A and D rows
+        table = {  # the gradient and the shard size (pergrad.replicas.batch_share)
             "mean": ("4(P + 1)", 4 * (p + 1)),
             "automatic_clip": ("4(P + 1)", 4 * (p + 1)),
             "dp_gaussian": ("4(P + 1)", 4 * (p + 1)),
             "clip": ("4(P + 3)", 4 * (p + 3)),  # + the clipped-fraction counts
-        })
+            # gathered statistics: the B x V per-example norms, then the gradient
+            "norm_filter": ("4BV + 4P", 4 * b * v + 4 * p),
+            # + each layer's A and D rows (every replica forms the B x B Gram matrix)
+            "krum": ("4B·Σ(d_in+d_out) + 4BV + 4P", 4 * b * rows + 4 * b * v + 4 * p),
+            "geometric_median": ("4B·Σ(d_in+d_out) + 4BV + 4P",
+                                 4 * b * rows + 4 * b * v + 4 * p),
+            # whole batch, streaming: each layer's A and D rows
+            "median": a_d, "trimmed_mean": a_d, "bucketing": a_d,
+            # whole batch, materialized: every per-example gradient
+            "centered_clip": ("4BP + 4P", 4 * b * p + 4 * p),
+        }
         return table[rule]
     table = {  # the gradient and the loss
         "mean": ("4(P + 1)", 4 * (p + 1)),
@@ -122,11 +138,15 @@ def formula(rule: str, replicas: int, backend: str) -> tuple[str, int]:
         "krum": ("4B·Σ(d_in+d_out) + 4B² + 4P", 4 * b * rows + 4 * b * b + 4 * p),
         # the A and D rows, then a B-vector per Weiszfeld iteration (T = max_iter)
         "geometric_median": ("4B·Σ(d_in+d_out) + 4TB + 4P", 4 * b * rows + 4 * t * b + 4 * p),
-        # every device gets all B x P per-example values: (R-1)/R of them sent to device 0
-        # (collective permutes), then all-reduced
-        "median": ("4BP(2 - 1/R) + 4P", 4 * b * p * (2 * r - 1) // r + 4 * p),
-        "trimmed_mean": ("4BP(2 - 1/R) + 4P", 4 * b * p * (2 * r - 1) // r + 4 * p),
-        "bucketing": ("4B·Σ(d_in+2d_out)", 4 * b * rows_bias),
+        # coordinate rules (replicas.spread_coordinates: both kernels and the first bias
+        # split over the d1 hidden units): the input rows and the output-gradient rows
+        # all-gathered (twice), the hidden rows all-to-all'd to each device's units, each
+        # device's part of the result all-gathered; the last bias (d2 = 3 coordinates, R
+        # does not divide them) stays by example: its B x d2 values all-reduced
+        "median": ("8B(d0 + d2) + 4B·d1/R + 4B·d2 + 4P", coordinates),
+        "trimmed_mean": ("8B(d0 + d2) + 4B·d1/R + 4B·d2 + 4P", coordinates),
+        # every example's A and D rows (and bias gradients), then the result all-gathered
+        "bucketing": ("4B·Σ(d_in+2d_out) + 4P", 4 * b * rows_bias + 4 * p),
     }
     return table[rule]
 
@@ -227,13 +247,17 @@ TF_KINDS = {
 }
 
 
-def tf_collectives(graph, replicas: int, local_batch: int) -> dict:
+def tf_collectives(graph) -> dict:
     """The collective ops of a traced TF graph and the functions it calls, on replica 0.
 
+    A static count, to check that :class:`TFCounter` saw every collective op:
+    their sizes are not read here (an all-gather of a tensor whose shards may be
+    uneven has dimensions unknown at trace time).
+
     Returns:
-        as :func:`hlo_collectives`, plus ``"dynamic"``: whether a size had an
-        unknown dimension (taken as ``local_batch``; an all-gather's output as
-        ``replicas`` times its input).
+        ``{"ops": {kind: n}, "loop": bool, "devices": n}``: the ops per kind on
+        replica 0's device, whether one sits in a ``while`` body, and on how
+        many devices collectives were placed.
     """
     functions = {}
 
@@ -245,17 +269,8 @@ def tf_collectives(graph, replicas: int, local_batch: int) -> dict:
 
     collect(graph)
     start = next((g for n, g in functions.items() if "one_step_on_data" in n), graph)
-    counts, sizes = {}, {}
-    flags = {"dynamic": False, "loop": False, "devices": set()}
-
-    def size(shape, factor=1):
-        dims = shape.as_list() if shape.rank is not None else [None]
-        total = factor
-        for d in dims:
-            if d is None:
-                flags["dynamic"] = True
-            total *= local_batch if d is None else d
-        return total
+    counts = {}
+    flags = {"loop": False, "devices": set()}
 
     def walk(g, device, in_loop, depth):
         for op in g.get_operations():
@@ -263,15 +278,8 @@ def tf_collectives(graph, replicas: int, local_batch: int) -> dict:
             kind = TF_KINDS.get(op.type)
             if kind is not None:
                 flags["devices"].add(here)
-                if here.endswith("device:CPU:0") or not here:
-                    item = op.outputs[0].dtype.size
-                    if kind == "all-gather" and op.outputs[0].shape.rank and \
-                            op.outputs[0].shape[0] is None:
-                        volume = size(op.inputs[0].shape, replicas)
-                    else:
-                        volume = size(op.outputs[0].shape)
+                if _replica_zero(here):
                     counts[kind] = counts.get(kind, 0) + 1
-                    sizes[kind] = sizes.get(kind, 0) + volume * item
                     flags["loop"] = flags["loop"] or in_loop
             for attribute, value in op.node_def.attr.items():
                 names = [value.func.name] if value.func.name else [f.name for f in value.list.func]
@@ -282,8 +290,79 @@ def tf_collectives(graph, replicas: int, local_batch: int) -> dict:
                         walk(functions[name], here, loop, depth + 1)
 
     walk(start, "", False, 0)
-    return {"counts": counts, "bytes": sizes, "loop": flags["loop"],
-            "dynamic": flags["dynamic"], "devices": len(flags["devices"])}
+    return {"ops": counts, "loop": flags["loop"], "devices": len(flags["devices"])}
+
+
+def _replica_zero(device: str) -> bool:
+    """Whether a TF device string names replica 0's device (the first CPU), or none."""
+    return not device or device.endswith("CPU:0")
+
+
+#: the functions of ``tensorflow.python.ops.collective_ops`` that return a collective's result
+TF_LAUNCHERS = {
+    "all_reduce": "all-reduce", "all_reduce_v2": "all-reduce", "all_reduce_v3": "all-reduce",
+    "all_gather": "all-gather", "all_gather_v2": "all-gather", "all_to_all_v2": "all-to-all",
+    "all_to_all_v3": "all-to-all",
+}
+
+
+class TFCounter:
+    """The sizes of the tensors TF's collectives produce on replica 0, read at run time.
+
+    ``tf.distribute``'s cross-device code (``cross_device_utils``'
+    ``CollectiveReplicaLauncher``: Keras's gradient all-reduce, a replica
+    context's ``all_reduce`` and ``all_gather``) builds its collective ops by
+    calling ``tensorflow.python.ops.collective_ops``; :meth:`install` wraps those
+    functions so that, while :attr:`tracing` is true, each collective traced on
+    replica 0's device is followed by a host callback (``tf.numpy_function``,
+    a control dependency of the result) that records the number of elements of
+    the op's actual output each time it runs. An all-gather of shards that may
+    be uneven is two collectives in TF (the shards' shapes, then the shards
+    padded to the largest): both are counted with the sizes they really have.
+    """
+
+    def __init__(self):
+        self.tracing = False
+        self.traced: list[str] = []  # the kinds of the ops wrapped while tracing
+        self.runs: list[tuple[str, int]] = []  # (kind, bytes) per execution
+
+    def install(self) -> None:
+        from tensorflow.python.ops import collective_ops
+
+        for name, kind in TF_LAUNCHERS.items():
+            if hasattr(collective_ops, name):
+                setattr(collective_ops, name, self._wrap(getattr(collective_ops, name), kind))
+
+    def _wrap(self, launch, kind):
+        import numpy as np
+        import tensorflow as tf
+
+        def launched(*args, **kwargs):
+            result = launch(*args, **kwargs)
+            if not self.tracing or not isinstance(result, tf.Tensor) \
+                    or not _replica_zero(result.device):
+                return result
+            self.traced.append(kind)
+            item = result.dtype.size
+
+            def record(size):
+                self.runs.append((kind, int(size) * item))
+                return np.int64(0)
+
+            token = tf.numpy_function(record, [tf.size(result, out_type=tf.int64)], tf.int64,
+                                      stateful=True)
+            with tf.control_dependencies([token]):
+                return tf.identity(result)
+
+        return launched
+
+    def summary(self) -> dict:
+        """``{"counts": {kind: executions}, "bytes": {kind: bytes}}`` of the recorded runs."""
+        counts, sizes = {}, {}
+        for kind, size in self.runs:
+            counts[kind] = counts.get(kind, 0) + 1
+            sizes[kind] = sizes.get(kind, 0) + size
+        return {"counts": counts, "bytes": sizes}
 
 
 # --------------------------------------------------------------------------------------
@@ -375,7 +454,7 @@ def _jax_rule(rule: str, replicas: int, steps: int) -> dict:
         keras.distribution.set_distribution(None)
 
 
-def _tf_rule(rule: str, replicas: int, steps: int, strategy) -> dict:
+def _tf_rule(rule: str, replicas: int, steps: int, strategy, counter: TFCounter) -> dict:
     import tensorflow as tf
 
     x, y = _data()
@@ -388,16 +467,32 @@ def _tf_rule(rule: str, replicas: int, steps: int, strategy) -> dict:
         return {"refused": str(error).split(". ")[0], "path": path}  # its first sentence
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+    def step():
+        logs = model.train_function(iterator)
+        [t.numpy() for t in tf.nest.flatten(logs)]
+
     times = []
     for _ in range(steps + 2):
         start = time.perf_counter()
-        logs = model.train_function(iterator)
-        [t.numpy() for t in tf.nest.flatten(logs)]
+        step()
         times.append(time.perf_counter() - start)
+    # Traced again with the counter's callbacks (not in the timed steps); one step.
+    counter.tracing, counter.traced, counter.runs = True, [], []
+    try:
+        model.make_train_function(force=True)
+        step()
+    finally:
+        counter.tracing = False
+    found = counter.summary()
     function = next(c.cell_contents for c in model.train_function.__closure__
                     if hasattr(c.cell_contents, "_list_all_concrete_functions"))
-    graph = function._list_all_concrete_functions()[-1].graph  # the last trace: ours
-    found = tf_collectives(graph, replicas, BATCH // replicas)
+    graph = function._list_all_concrete_functions()[-1].graph
+    static = tf_collectives(graph)
+    traced = {kind: counter.traced.count(kind) for kind in set(counter.traced)}
+    if static["ops"] != traced:  # an op the counter did not wrap: its bytes would be missing
+        raise RuntimeError(f"collective ops in the graph {static['ops']}, counted {traced}")
+    found["ops"], found["loop"] = static["ops"], False  # loops: every execution counted
     found["step_ms"] = 1e3 * statistics.median(times[2:])
     found["path"] = path
     return found
@@ -408,7 +503,7 @@ def child(replicas: int, rules: list[str], steps: int) -> None:
     import keras
 
     backend = keras.backend.backend()
-    strategy = None
+    strategy = counter = None
     if backend == "jax":
         import jax
 
@@ -421,12 +516,14 @@ def child(replicas: int, rules: list[str], steps: int) -> None:
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(replicas)])
         devices = [d.name for d in tf.config.list_logical_devices("CPU")][:replicas]
         strategy = tf.distribute.MirroredStrategy(devices)
+        counter = TFCounter()
+        counter.install()
     for rule in rules:
         try:
             if backend == "jax":
                 found = _jax_rule(rule, replicas, steps)
             else:
-                found = _tf_rule(rule, replicas, steps, strategy)
+                found = _tf_rule(rule, replicas, steps, strategy, counter)
         except Exception as error:  # a row that says why, not a lost table
             found = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
         found["rule"] = rule
@@ -480,7 +577,7 @@ def table(backend: str, results: dict[int, list[dict]]) -> str:
             total = sum(row["bytes"].values())
             lines.append(
                 f"| {replicas} | {rule} | {row['path']} | {describe(row)} | {total:,}"
-                f"{' (dyn)' if row.get('dynamic') else ''} | `{text}` | {value:,} "
+                f" | `{text}` | {value:,} "
                 f"| {row['step_ms']:.1f} |"
             )
     return "\n".join(lines)
@@ -530,14 +627,16 @@ def report(backend: str, results: dict, steps: int) -> None:
     """Prints one backend's table."""
     engine = ("keras.distribution.DataParallel; bytes from the compiled HLO's collectives"
               if backend == "jax" else
-              "tf.distribute.MirroredStrategy; bytes from the traced graph's Collective* ops")
+              "tf.distribute.MirroredStrategy; bytes of the collectives' outputs at run time")
     print(f"## Communication per step: {backend}, {engine}\n")
     print(f"MLP {LAYERS[0][0]}-{LAYERS[0][1]}-{LAYERS[1][1]} (P = "
           f"{sum(i * o + o for i, o in LAYERS)}), global batch B = {BATCH}, float32; bytes = "
           "result sizes of one step's collectives on one device. Formula: the leading terms "
-          "(Σ over the Dense layers; T = geometric_median's iterations)"
-          + (", for the rules beyond the statistics ones those of all-gathering each layer's "
-             "A and D rows" if backend == "tensorflow" else "")
+          "(Σ over the Dense layers; T = geometric_median's iterations; V = "
+          f"{2 * len(LAYERS)} variables; d0, d1, d2 = the MLP's widths)"
+          + ("; each all-gather first gathers the shards' shapes (R x rank int32), then "
+             "the shards padded to the largest (two collectives)" if backend == "tensorflow"
+             else "")
           + f". Step times: median of {steps} steps on R logical devices sharing "
           f"{os.cpu_count()} CPU cores: NOT a speed measurement.\n")
     if backend == "jax":

@@ -4,7 +4,9 @@
 compiled HLO text (docs/architecture.md, 'Communication per step'); here it
 counts collectives of known size on two forced XLA CPU devices, in a fresh
 process (the device count is fixed before JAX is imported), once, in the JAX
-session.
+session. On TensorFlow it records the sizes of the tensors the collectives
+produce at run time (``TFCounter``); here an all-gather of uneven shards and an
+all-reduce on two logical CPU devices, once, in the TensorFlow session.
 """
 
 from __future__ import annotations
@@ -55,3 +57,51 @@ def test_hlo_byte_counter_counts_known_collectives():
     assert found["counts"] == {"all-reduce": 4, "all-gather": 1}
     assert found["bytes"] == {"all-reduce": 48 + 3 * 4, "all-gather": 32}
     assert found["loop"] is False
+
+
+_KNOWN_TF_COLLECTIVES = """
+import json
+import tensorflow as tf
+import replicas
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
+counter = replicas.TFCounter()
+counter.install()
+
+def step(x):  # x: this replica's (3, 5) float32 block
+    context = tf.distribute.get_replica_context()
+    rows = x[: 3 - 2 * context.replica_id_in_sync_group]  # uneven shards: 3 and 1 rows
+    # TF gathers the shapes (2 x 2 int32: 16 bytes), then the shards padded to 3 rows
+    # (6 x 5 float32: 120 bytes), and drops the padding
+    gathered = context.all_gather(rows, axis=0)
+    total = context.all_reduce("sum", x[0])  # 5 float32: 20 bytes
+    return gathered, total
+
+@tf.function
+def function(x):
+    return strategy.run(step, args=(x,))
+
+values = strategy.experimental_distribute_values_from_function(lambda c: tf.ones((3, 5)))
+counter.tracing = True
+gathered, _ = function(values)
+counter.tracing = False
+static = replicas.tf_collectives(function.get_concrete_function(values).graph)
+rows = strategy.experimental_local_results(gathered)[0].shape[0]
+print(json.dumps({**counter.summary(), "rows": rows, "ops": static["ops"]}))
+"""
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow",
+                    reason="runs its own TF process once, in the tensorflow session")
+def test_tf_byte_counter_counts_known_collectives():
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(BENCHMARKS))
+    completed = subprocess.run([sys.executable, "-c", _KNOWN_TF_COLLECTIVES], env=environment,
+                               capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    found = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert found["rows"] == 4  # the gathered shards, unpadded
+    assert found["counts"] == {"all-gather": 2, "all-reduce": 1}
+    assert found["bytes"] == {"all-gather": 16 + 120, "all-reduce": 20}
+    assert found["ops"] == found["counts"]  # the graph's ops on replica 0, each counted
