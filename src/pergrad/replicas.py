@@ -171,9 +171,10 @@ def spread_coordinates(gradients):
 
     A coordinate rule compares every example's value of a coordinate: with the rows
     split by example, XLA's partitioner brings all ``J`` rows to every device; split
-    by coordinate (the largest axis the device count divides), it exchanges each
-    device's ``J x P/R`` block once (an all-to-all) and each device selects over its
-    own coordinates. Values are unchanged; any other setting returns ``gradients``.
+    by coordinate (the largest axis the device count divides), each device forms and
+    selects over its own coordinates only (XLA gathers the layers' input and
+    output-gradient rows it needs: docs/architecture.md, 'Communication per step').
+    Values are unchanged; any other setting returns ``gradients``.
     """
     distribution = keras.distribution.distribution()
     if not isinstance(distribution, keras.distribution.DataParallel):
