@@ -106,7 +106,7 @@ def formula(rule: str, replicas: int, backend: str) -> tuple[str, int]:
     rows = sum(i + o for i, o in LAYERS)  # sum_l (d_in + d_out)
     rows_bias = sum(i + 2 * o for i, o in LAYERS)  # with the bias gradients' rows
     (d0, d1), (_, d2) = LAYERS  # the widths of the MLP d0-d1-d2
-    coordinates = 8 * b * (d0 + d2) + 4 * b * d1 // r + 4 * b * d2 + 4 * p
+    coordinates = 4 * b * (d0 + d2) + 12 * b * d1 // r + 4 * (p - d2) + 4 * b * d2
     if backend == "tensorflow":
         v = 2 * len(LAYERS)  # variables: a kernel and a bias per Dense layer
         a_d = ("4B·Σ(d_in+d_out) + 4P", 4 * b * rows + 4 * p)  # each layer's A and D rows
@@ -139,12 +139,13 @@ def formula(rule: str, replicas: int, backend: str) -> tuple[str, int]:
         # the A and D rows, then a B-vector per Weiszfeld iteration (T = max_iter)
         "geometric_median": ("4B·Σ(d_in+d_out) + 4TB + 4P", 4 * b * rows + 4 * t * b + 4 * p),
         # coordinate rules (replicas.spread_coordinates: both kernels and the first bias
-        # split over the d1 hidden units): the input rows and the output-gradient rows
-        # all-gathered (twice), the hidden rows all-to-all'd to each device's units, each
+        # split over the d1 hidden units; the A and D rows kept by example,
+        # replicas.by_example): the input rows and the output-gradient rows all-gathered,
+        # the hidden rows (three tensors) all-to-all'd to each device's units, each
         # device's part of the result all-gathered; the last bias (d2 = 3 coordinates, R
         # does not divide them) stays by example: its B x d2 values all-reduced
-        "median": ("8B(d0 + d2) + 4B·d1/R + 4B·d2 + 4P", coordinates),
-        "trimmed_mean": ("8B(d0 + d2) + 4B·d1/R + 4B·d2 + 4P", coordinates),
+        "median": ("4B(d0 + d2) + 12B·d1/R + 4(P − d2) + 4B·d2", coordinates),
+        "trimmed_mean": ("4B(d0 + d2) + 12B·d1/R + 4(P − d2) + 4B·d2", coordinates),
         # every example's A and D rows (and bias gradients), then the result all-gathered
         "bucketing": ("4B·Σ(d_in+2d_out) + 4P", 4 * b * rows_bias + 4 * p),
     }

@@ -165,6 +165,32 @@ def all_true(flag):
     return ops.equal(global_sum(ops.cast(ops.logical_not(flag), "int32")), 0)
 
 
+def _data_parallel():
+    """``(mesh, batch axis name, devices on it)`` of a ``keras.distribution.DataParallel``
+    with several devices, else ``None``."""
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, keras.distribution.DataParallel):
+        return None
+    mesh, name = distribution.device_mesh, distribution.batch_dim_name
+    devices = mesh.shape[list(mesh.axis_names).index(name)]
+    return (mesh, name, devices) if devices > 1 else None
+
+
+def _laid_out(tensor, axis, mesh, name):
+    spec = [None] * len(tensor.shape)
+    spec[axis] = name
+    return keras.distribution.distribute_tensor(tensor, keras.distribution.TensorLayout(spec, mesh))
+
+
+def by_example(tensor):
+    """``tensor`` (examples first) split by example over a ``DataParallel``'s devices,
+    as Keras lays out the batch; ``tensor`` itself in any other setting."""
+    found = _data_parallel()
+    if found is None or not tensor.shape or tensor.shape[0] is None or tensor.shape[0] % found[2]:
+        return tensor
+    return _laid_out(tensor, 0, found[0], found[1])
+
+
 def spread_coordinates(gradients):
     """``gradients`` (``(J, ...)`` rows of one variable) laid out over the devices of a
     ``keras.distribution.DataParallel`` by coordinate instead of by example.
@@ -176,15 +202,12 @@ def spread_coordinates(gradients):
     output-gradient rows it needs: docs/architecture.md, 'Communication per step').
     Values are unchanged; any other setting returns ``gradients``.
     """
-    distribution = keras.distribution.distribution()
-    if not isinstance(distribution, keras.distribution.DataParallel):
+    found = _data_parallel()
+    if found is None:
         return gradients
-    mesh, name = distribution.device_mesh, distribution.batch_dim_name
-    devices = mesh.shape[list(mesh.axis_names).index(name)]
+    mesh, name, devices = found
     shape = tuple(gradients.shape)
     axes = [k for k in range(1, len(shape)) if shape[k] and shape[k] % devices == 0]
-    if devices <= 1 or not axes:
+    if not axes:
         return gradients
-    spec = [None] * len(shape)
-    spec[max(axes, key=lambda k: shape[k])] = name
-    return keras.distribution.distribute_tensor(gradients, keras.distribution.TensorLayout(spec, mesh))
+    return _laid_out(gradients, max(axes, key=lambda k: shape[k]), mesh, name)

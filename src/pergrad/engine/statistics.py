@@ -425,18 +425,22 @@ class _Layers:
         self.deltas = [tree.map_structure(where, t) for t in self.deltas]
         self._materialized = {}
 
+    def with_tensors(self, function):
+        """These layers with ``function`` applied to every tensor of each call's ``A`` and ``D``."""
+        other = copy.copy(self)
+
+        def apply(t):
+            return function(t) if _is_tensor(t) else t
+
+        other.inputs = [tree.map_structure(apply, t) for t in self.inputs]
+        other.deltas = [tree.map_structure(apply, t) for t in self.deltas]
+        other._materialized = {}
+        return other
+
     def gathered(self):
         """These layers over every replica's examples: each call's ``A`` and ``D``
         all-gathered, in replica order (``pergrad.replicas``)."""
-        whole = copy.copy(self)
-
-        def gather(t):
-            return replicas.gather(t) if _is_tensor(t) else t
-
-        whole.inputs = [tree.map_structure(gather, t) for t in self.inputs]
-        whole.deltas = [tree.map_structure(gather, t) for t in self.deltas]
-        whole._materialized = {}
-        return whole
+        return self.with_tensors(replicas.gather)
 
     def _values(self, call):
         return [self.values_of[id(v)] for v in call.variables]
