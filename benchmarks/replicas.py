@@ -110,7 +110,7 @@ def formula(rule: str, replicas: int, backend: str) -> tuple[str, int]:
     if backend == "tensorflow":
         v = 2 * len(LAYERS)  # variables: a kernel and a bias per Dense layer
         a_d = ("4B·Σ(d_in+d_out) + 4P", 4 * b * rows + 4 * p)  # each layer's A and D rows
-        table = {  # the gradient and the shard size (pergrad.replicas.batch_share)
+        table = {  # the gradient and the shard size (pergrad.replicas.local_fraction)
             "mean": ("4(P + 1)", 4 * (p + 1)),
             "automatic_clip": ("4(P + 1)", 4 * (p + 1)),
             "dp_gaussian": ("4(P + 1)", 4 * (p + 1)),

@@ -91,6 +91,15 @@ def model_order(key):
             kinds.index(kind) if kind in kinds else len(kinds), batch, model)
 
 
+def row_label(backend: str, model: str, seen: set) -> str:
+    """:func:`model_label` of a table row, the first of its kind per backend in full
+    (``seen``: the ``(backend, kind)`` pairs labelled so far, updated)."""
+    kind = model.rstrip("0123456789")
+    first = (backend, kind) not in seen
+    seen.add((backend, kind))
+    return model_label(model, first)
+
+
 def model_label(model: str, first: bool) -> str:
     """``mlp64`` -> ``MLP 784-256-256-10, B=64`` (the first of its kind per backend) or ``MLP, B=64``."""
     match = re.fullmatch(r"(mlp|cnn|tfm)(\d+)", model)
@@ -151,9 +160,7 @@ def ratio_table(models, columns, opacus=False):
         if not found:
             continue
         plain = pick(sources, "plain", "ms")
-        kind = model.rstrip("0123456789")
-        label = model_label(model, (backend, kind) not in seen)
-        seen.add((backend, kind))
+        label = row_label(backend, model, seen)
         lines.append([BACKENDS.get(backend, backend), label,
                       f"{plain['ms']:.1f}" if plain else "–"] + cells)
     return markdown(header, lines) if lines else None
@@ -171,9 +178,7 @@ def memory_table(models):
         if not any(rows):
             continue
         plain = pick(sources, "plain", "peak_mib")
-        kind = model.rstrip("0123456789")
-        label = model_label(model, (backend, kind) not in seen)
-        seen.add((backend, kind))
+        label = row_label(backend, model, seen)
         lines.append([BACKENDS.get(backend, backend), label,
                       f"{plain['peak_mib']:.0f} MiB" if plain else "–"]
                      + [ratio(r["peak_ratio"]) if r else "–" for r in rows])
@@ -199,9 +204,7 @@ def coordinate_memory_table(models):
         if plain and "largest_variable" in plain:
             extra = MEDIAN_MEMORY_COPIES * plain["batch"] * plain["largest_variable"] * 4
             bound = plain["peak_mib"] + extra / 2**20
-        kind = model.rstrip("0123456789")
-        label = model_label(model, (backend, kind) not in seen)
-        seen.add((backend, kind))
+        label = row_label(backend, model, seen)
         within = "–"
         if median and bound is not None:
             within = "yes" if median["peak_mib"] <= bound else "no"

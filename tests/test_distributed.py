@@ -57,6 +57,15 @@ def _only(backend: str):
     )
 
 
+def _assert_as_one_device(report, moved):
+    """Every rule moved the weights by more than ``moved``, the DP noise (on) by more than
+    1e-3, and every run on several devices ended within 1e-5 of one device's."""
+    assert min(report["moved"].values()) > moved, report["moved"]
+    assert report["noise"] > 1e-3, report["noise"]  # the noise is on
+    bad = {key: d for key, d in report["differences"].items() if not d <= 1e-5}
+    assert not bad, bad
+
+
 _JAX_DATA_PARALLEL = """
 import json
 import jax, keras, numpy as np
@@ -72,6 +81,8 @@ RULES = {
     "bucketing": lambda: aggregators.bucketing(2, aggregators.median(), seed=3),
     "dp_noise_0": lambda: privacy.dp_gaussian(0.5, 0.0, seed=5),
     "dp_noise_1": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5),
+    # One global program: its groups are the batch's, whatever the devices (2 = groups, 4 != groups).
+    "two_level": lambda: aggregators.two_level(2, across=aggregators.clip(0.5)),
 }
 MODEL_PARALLEL = ("median", "krum", "dp_noise_1")
 
@@ -140,11 +151,8 @@ def test_jax_data_parallel_trains_as_one_device():
         sharded = key.endswith("/2x2")
         assert placed == (4 if sharded else int(key.split("/")[1])), (key, placed)
         assert ("'model'" in spec) == sharded, (key, spec)
-    assert min(report["moved"].values()) > 1e-3, report["moved"]
     # The noise is on (it moves the weights 100x the tolerance), the same for every R.
-    assert report["noise"] > 1e-3, report["noise"]
-    bad = {key: d for key, d in report["differences"].items() if not d <= 1e-5}
-    assert not bad, bad
+    _assert_as_one_device(report, moved=1e-3)
 
 
 _TF_MIRRORED = """
@@ -687,10 +695,7 @@ def test_tensorflow_multi_worker_mirrored_strategy():
         assert report["replicas"] == 2
         assert set(report["counts"].values()) == {2}, report["counts"]
         assert all(sizes == [4] * 4 for sizes in report["sizes"].values()), report["sizes"]
-        assert min(report["moved"].values()) > 1e-2, report["moved"]
-        assert report["noise"] > 1e-3, report["noise"]  # the noise is on
-        bad = {rule: d for rule, d in report["differences"].items() if not d <= 1e-5}
-        assert not bad, bad
+        _assert_as_one_device(report, moved=1e-2)
 
 
 _TF_TWO_LEVEL = """
@@ -767,51 +772,3 @@ def test_tensorflow_mirrored_strategy_two_level():
         cheap = key in ("two_level_2_clip/2", "two_level_4/4")
         # The local results and shard sizes: one row per replica; else the whole batch.
         assert (leading == ["1"]) == cheap, (key, leading)
-
-
-_JAX_TWO_LEVEL = """
-import json
-import jax, keras, numpy as np
-import pergrad, problems
-from pergrad import aggregators
-
-def train(replicas):
-    distribution = None
-    if replicas is not None:
-        distribution = keras.distribution.DataParallel(devices=jax.devices()[:replicas])
-    keras.distribution.set_distribution(distribution)
-    try:
-        problem = problems.dense_mlp(batch=16)
-        rule = aggregators.two_level(2, across=aggregators.clip(0.5))
-        model = pergrad.PerExampleModel(problem.model, rule)
-        model.compile(optimizer="sgd", loss=problem.loss)
-        model.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=8,
-                  epochs=2, shuffle=False, verbose=0)
-        kernel = problem.model.trainable_variables[0].value
-        return problem.model.get_weights(), len(kernel.sharding.device_set)
-    finally:
-        keras.distribution.set_distribution(None)
-
-def difference(a, b):
-    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
-
-alone, _ = train(None)
-report = {"moved": difference(alone, problems.dense_mlp(batch=16).model.get_weights()), "several": {}}
-for replicas in (2, 4):
-    weights, placed = train(replicas)
-    report["several"][str(replicas)] = [difference(weights, alone), placed]
-print(json.dumps(report))
-"""
-
-
-@_only("jax")
-def test_jax_data_parallel_two_level():
-    # One global program: two_level's groups are the batch's, whatever the devices
-    # (2 = groups, 4 != groups); the same weights as one device.
-    report = _run(
-        _JAX_TWO_LEVEL, "jax",
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"},
-    )
-    assert report["moved"] > 1e-3, report
-    for replicas, (difference, placed) in report["several"].items():
-        assert placed == int(replicas) and difference <= 1e-5, (replicas, report)

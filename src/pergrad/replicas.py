@@ -16,6 +16,8 @@ and the backend adapter only.
 
 from __future__ import annotations
 
+import math
+
 import keras
 from keras import ops
 
@@ -53,9 +55,10 @@ def refusal(wrapper) -> str | None:
 
 
 def local_share(aggregator) -> bool:
-    """Whether each replica aggregates its own shard and the replicas' sum, scaled by
-    :func:`batch_share`, is the single-device result (no example needs another's
-    gradient); otherwise the rule runs on the whole batch, gathered."""
+    """Whether each replica aggregates its own shard and the replicas' sum, each scaled
+    by its :func:`local_fraction` unless the rule :func:`ignores_batch_size`, is the
+    single-device result (no example needs another's gradient); otherwise the rule
+    runs on the whole batch, gathered."""
     from pergrad.aggregators.basic import Clip, Mean, Sum
     from pergrad.aggregators.clipping import AutomaticClip
 
@@ -69,18 +72,14 @@ def local_share(aggregator) -> bool:
     return type(aggregator) in local
 
 
-def batch_share(aggregator, local_size):
-    """The factor on a replica's result that makes the replicas' sum the single-device one.
-
-    ``B_r / B`` (``B``: the sum of the shard sizes) for rules whose weights divide
-    by the batch size (mean, clipping, DP-SGD without ``expected_batch_size``),
-    ``None`` (1) for sums.
-    """
+def ignores_batch_size(aggregator) -> bool:
+    """Whether ``aggregator``'s result is a plain sum over the examples, whatever their
+    number (``sum``; ``dp_gaussian`` with a fixed ``expected_batch_size``): zero-weight
+    padding rows change nothing, and replicas' results over their shards simply add up.
+    Every other rule divides by the batch size, or takes order statistics over it."""
     from pergrad.aggregators.basic import Sum
 
-    if isinstance(aggregator, Sum) or getattr(aggregator, "expected_batch_size", None) is not None:
-        return None
-    return local_fraction(local_size)
+    return type(aggregator) is Sum or getattr(aggregator, "expected_batch_size", None) is not None
 
 
 def local_fraction(local_size):
@@ -165,15 +164,27 @@ def all_true(flag):
     return ops.equal(global_sum(ops.cast(ops.logical_not(flag), "int32")), 0)
 
 
-def _data_parallel():
+def batch_devices() -> int:
+    """How many devices the current ``keras.distribution`` splits the batch over
+    (``DataParallel``: all of its devices; ``ModelParallel``: its mesh's batch axis);
+    1 without one."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return 1
+    layout = distribution.get_data_layout((1,))
+    axis = layout.axes[0]
+    names = () if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    mesh = layout.device_mesh
+    return math.prod(int(mesh.shape[list(mesh.axis_names).index(name)]) for name in names)
+
+
+def data_parallel():
     """``(mesh, batch axis name, devices on it)`` of a ``keras.distribution.DataParallel``
     with several devices, else ``None``."""
     distribution = keras.distribution.distribution()
-    if not isinstance(distribution, keras.distribution.DataParallel):
+    if not isinstance(distribution, keras.distribution.DataParallel) or batch_devices() <= 1:
         return None
-    mesh, name = distribution.device_mesh, distribution.batch_dim_name
-    devices = mesh.shape[list(mesh.axis_names).index(name)]
-    return (mesh, name, devices) if devices > 1 else None
+    return distribution.device_mesh, distribution.batch_dim_name, batch_devices()
 
 
 def _laid_out(tensor, axis, mesh, name):
@@ -185,7 +196,7 @@ def _laid_out(tensor, axis, mesh, name):
 def by_example(tensor):
     """``tensor`` (examples first) split by example over a ``DataParallel``'s devices,
     as Keras lays out the batch; ``tensor`` itself in any other setting."""
-    found = _data_parallel()
+    found = data_parallel()
     if found is None or not tensor.shape or tensor.shape[0] is None or tensor.shape[0] % found[2]:
         return tensor
     return _laid_out(tensor, 0, found[0], found[1])
@@ -202,7 +213,7 @@ def spread_coordinates(gradients):
     output-gradient rows it needs: docs/architecture.md, 'Communication per step').
     Values are unchanged; any other setting returns ``gradients``.
     """
-    found = _data_parallel()
+    found = data_parallel()
     if found is None:
         return gradients
     mesh, name, devices = found

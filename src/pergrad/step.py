@@ -99,12 +99,15 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     # On several replicas (pergrad.replicas): each aggregates its shard, scaled by its
     # share of the batch, or the rule runs on the whole batch, gathered.
     gathered = several and not replicas.local_share(aggregator)
-    if several and not gathered:
-        share = replicas.batch_share(aggregator, ops.shape(tree.flatten(x)[0])[0])
-    if several and scale is not None:
-        # B_r / B of the scale: the backward pass's float16 values as on one
-        # device (a replica's mean loss divides by B_r), so the same steps overflow.
-        engine_scale = scale * replicas.local_fraction(ops.shape(tree.flatten(x)[0])[0])
+    divides = several and not gathered and not replicas.ignores_batch_size(aggregator)
+    if divides or (several and scale is not None):
+        fraction = replicas.local_fraction(ops.shape(tree.flatten(x)[0])[0])  # B_r / B
+        if divides:
+            share = fraction
+        if scale is not None:
+            # B_r / B of the scale: the backward pass's float16 values as on one
+            # device (a replica's mean loss divides by B_r), so the same steps overflow.
+            engine_scale = scale * fraction
     if path == STATISTICS_PATH:
         try:
             if chunked.supports(aggregator):

@@ -117,10 +117,11 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     pieces = 1
     if microbatch_size is not None and final.coordinatewise and isinstance(batch_size, int):
         pieces = -(-batch_size // microbatch_size)
-    # Each example's A and D rows stay where the model's own pass left them, so that the
-    # coordinate layout below does not propagate into the model's pass (which would
-    # split its matmuls differently from one device: other float16 roundings).
-    layers = layers.with_tensors(replicas.by_example)
+    if replicas.data_parallel() is not None:
+        # Each example's A and D rows stay where the model's own pass left them, so that
+        # the coordinate layout below does not propagate into the model's pass (which
+        # would split its matmuls differently from one device: other float16 roundings).
+        layers = layers.with_tensors(replicas.by_example)
     if gathered:
         layers, batch_size = layers.gathered(), replicas.global_size(batch_size)
         if final.coordinatewise:  # a Dense kernel in one part per replica

@@ -45,6 +45,8 @@ import keras
 import numpy as np
 from keras import tree
 
+from pergrad import replicas
+
 
 class BatchOverflowError(RuntimeError):
     """More examples were sampled than fit in ``max_batch_size``."""
@@ -76,30 +78,7 @@ def batch_shards(model=None) -> int:
     over (``DataParallel``: all of its devices; ``ModelParallel``: the batch
     axis of its mesh). Keras needs every batch to divide evenly over them.
     """
-    from pergrad import replicas
-
-    shards = replicas.count(model)
-    distribution = keras.distribution.distribution()
-    if distribution is not None:
-        layout = distribution.get_data_layout((1,))
-        axis = layout.axes[0]
-        names = () if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
-        mesh = layout.device_mesh
-        for name in names:
-            shards *= int(mesh.shape[list(mesh.axis_names).index(name)])
-    return shards
-
-
-def ignores_padding(aggregator) -> bool:
-    """Whether ``aggregator``'s result is the same with more zero-weight padding rows.
-
-    True for ``sum`` and for rules that divide by a fixed ``expected_batch_size``
-    (``dp_gaussian``); the others divide by, or take order statistics over, the
-    padded batch.
-    """
-    from pergrad.aggregators.basic import Sum
-
-    return type(aggregator) is Sum or getattr(aggregator, "expected_batch_size", None) is not None
+    return replicas.count(model) * replicas.batch_devices()
 
 
 class PoissonSampler(keras.utils.PyDataset):
@@ -239,7 +218,7 @@ class PoissonSampler(keras.utils.PyDataset):
         """
         shards = batch_shards(model)
         aggregator = getattr(model, "aggregator", None)
-        if self.max_batch_size % shards and not ignores_padding(aggregator):
+        if self.max_batch_size % shards and not replicas.ignores_batch_size(aggregator):
             multiple = -(-self.max_batch_size // shards) * shards
             raise ValueError(
                 f"PoissonSampler's batches (max_batch_size={self.max_batch_size}) do not split "
