@@ -1,5 +1,6 @@
 """PyTorch adapter: ``torch.func.vmap(torch.func.grad(...))``."""
 
+import numpy as np
 import torch
 
 from pergrad.backend._single_replica import all_gather, all_reduce_sum, replica_id, unscale_loss  # noqa: F401
@@ -152,3 +153,28 @@ def replicas(model=None):
     if distributed.is_available() and distributed.is_initialized():
         return int(distributed.get_world_size())
     return 1
+
+
+def noise_words(key, step, count):
+    """DP noise's random words (``pergrad.privacy.noise``): 4 int32 arrays of ``count``.
+
+    Eager torch has no compiler to fuse the ~200 integer ops of a counter-based block
+    function per value (XLA does it for JAX and TensorFlow), and its own CPU generator
+    (MT19937) is linear: outputs reveal its state. NumPy's Philox-4x64-10 (Salmon et al.,
+    2011; 128-bit key, C code) is the fast keyed choice here. ``key`` holds 8 int32 words
+    ``(K_a, K_b)``; step ``step`` draws under its own key ``F_{K_a}(step, 0, 0, 1) xor K_b``
+    and coordinate ``i`` gets the 128 bits of outputs ``2i`` and ``2i + 1`` from counter
+    ``(0, step, 0, 0)``.
+    """
+    if isinstance(key, torch.Tensor):
+        key = key.detach().cpu().numpy()
+    if isinstance(step, torch.Tensor):
+        step = step.detach().cpu().numpy()
+    key = np.asarray(key, np.int32).view(np.uint32)
+    step = int(step)
+    master, mask = (int.from_bytes(key[i : i + 4].tobytes(), "little") for i in (0, 4))
+    derived = np.random.Philox(key=master, counter=[step, 0, 0, 1]).random_raw(2)
+    step_key = int.from_bytes(derived.tobytes(), "little") ^ mask
+    bits = np.random.Philox(key=step_key, counter=[0, step, 0, 0]).random_raw(2 * count)
+    words = bits.view(np.int32).reshape(count, 4)
+    return [np.ascontiguousarray(words[:, i]) for i in range(4)]

@@ -16,7 +16,6 @@ References:
 from __future__ import annotations
 
 import math
-import secrets
 
 import keras
 import numpy as np
@@ -25,28 +24,7 @@ from keras import ops
 from pergrad import replicas
 from pergrad.aggregators.base import ExampleStatistics, WeightedAggregator
 from pergrad.arguments import check_number
-
-# The noise: _STREAMS keyed randint streams XORed into _BITS-bit words, three
-# words (48 radius bits, 24 angle bits) per pair of coordinates (Box-Muller).
-# Key words have 31 bits: non-negative in every backend's seed dtype.
-_STREAMS = 5
-_BITS = 24
-_KEY_BITS = 31
-
-
-def normal_from_words(words):
-    """Box-Muller: ``(3, n)`` uniform ``_BITS``-bit words to ``2 n`` standard normal values.
-
-    Words below 2^24 are exact in float32. ``u = (high + (low + 1) / 2^24) / 2^24``
-    lies in ``[2^-48, 1]``: 48 bits for the radius, so the values reach
-    ``sqrt(96 ln 2) = 8.16``; the third word is the angle.
-    """
-    high, low, angle = (ops.cast(words[i], "float32") for i in range(3))
-    scale = float(2**_BITS)
-    uniform = (high + (low + 1.0) / scale) / scale
-    radius = ops.sqrt(-2.0 * ops.log(uniform))
-    angle = (angle + 0.5) * (2.0 * math.pi / scale)
-    return ops.concatenate([radius * ops.cos(angle), radius * ops.sin(angle)])
+from pergrad.privacy import noise
 
 
 @keras.saving.register_keras_serializable(package="pergrad")
@@ -186,30 +164,15 @@ class DPGaussian(WeightedAggregator):
         self.seed = None if seed is None else int(seed)
         self.log_diagnostics = bool(diagnostics)
         self.diagnostics = ("clipped_fraction", "gradient_norm") if diagnostics else ()
-        # Conduits for the keyed draws (TF and torch take a seed only as a
-        # SeedGenerator). Kept out of Keras's tracking through __dict__: their
-        # state is set before every draw and never saved.
-        self.__dict__["_noise_generators"] = [
-            keras.random.SeedGenerator(0, name=f"dp_noise_stream_{i}") for i in range(_STREAMS)
-        ]
         # The key is the XOR of two halves. This one lives only in this object
         # (and the programs compiled from it): not in the variables, so not in
         # get_weights(), and another instance given these weights has another key.
-        self.__dict__["_hidden_key"] = self._key_words(spawn=0)
+        self.__dict__["_hidden_key"] = noise.key_words(self.seed, spawn=0)
         self._new_key()
-
-    def _key_words(self, spawn: int) -> np.ndarray:
-        """``(_STREAMS, 2)`` 31-bit words: secret with ``seed=None``, derived from ``seed`` otherwise."""
-        if self.seed is None:
-            words = [secrets.randbits(_KEY_BITS) for _ in range(2 * _STREAMS)]
-        else:
-            sequence = np.random.SeedSequence(self.seed, spawn_key=(spawn,))
-            words = [int(w) >> (64 - _KEY_BITS) for w in sequence.generate_state(2 * _STREAMS, np.uint64)]
-        return np.array(words, "int32").reshape(_STREAMS, 2)
 
     def _new_key(self) -> None:
         """Draws the variable half of the key (``noise_key``): at construction and after a load."""
-        self.__dict__["_pending_key"] = self._key_words(spawn=1)
+        self.__dict__["_pending_key"] = noise.key_words(self.seed, spawn=1)
         if self.built:
             self.noise_key.assign(self._pending_key)
 
@@ -221,7 +184,7 @@ class DPGaussian(WeightedAggregator):
         # new key after a load takes effect) and JAX carries it in its state;
         # never saved (see save_own_variables).
         self.noise_key = self.add_weight(
-            shape=(_STREAMS, 2), initializer="zeros", dtype="int32", trainable=False, name="noise_key"
+            shape=(noise.KEY_WORDS,), initializer="zeros", dtype="int32", trainable=False, name="noise_key"
         )
         self.noise_key.assign(self._pending_key)
         self.built = True
@@ -285,36 +248,34 @@ class DPGaussian(WeightedAggregator):
     def example_weights(self, stats: ExampleStatistics):
         return self.clip_factors(stats) / self._denominator(stats)
 
+    def _key(self):
+        """The 256-bit key (int32 words): the hidden half XOR ``noise_key``."""
+        return ops.bitwise_xor(self.noise_key.value, ops.convert_to_tensor(self._hidden_key, "int32"))
+
     def standard_normal(self, size: int, step):
         """``size`` standard normal values for step ``step``, a pure function of (key, step)."""
-        hidden = ops.convert_to_tensor(self._hidden_key, "int32")
-        bits, key = None, ops.bitwise_xor(self.noise_key.value, hidden)
-        pairs = (size + 1) // 2
-        for stream, generator in enumerate(self._noise_generators):
-            dtype = generator.state.dtype
-            first, second = ops.cast(key[stream, 0], dtype), ops.cast(key[stream, 1], dtype)
-            generator.state.assign(ops.stack([first, second + ops.cast(step, dtype)]))
-            draw = keras.random.randint((3, pairs), 0, 2**_BITS, dtype="int32", seed=generator)
-            bits = draw if bits is None else ops.bitwise_xor(bits, draw)
-        return normal_from_words(bits)[:size]
+        return noise.gaussian_noise(self._key(), step, size, 1.0)
 
     def finalize(self, result: list, stats: ExampleStatistics) -> list:
-        step = self.step_count.value
+        # The step read into a tensor before the increment: the noise of the step it counts
+        # (a TF or torch variable's value would otherwise follow the assignment).
+        step = ops.convert_to_tensor(self.step_count.value)
+        noisy = result
+        if self.noise_multiplier > 0:
+            denominator = self._denominator(stats)  # the weights' denominator
+            # One draw for all variables. Drawn once globally: on replica 0 only (every
+            # replica has the same key and step), the replicas' sum then holds one noise
+            # (pergrad.replicas). The scale enters the generator: its last rounding then
+            # smooths the float32 values (docs/architecture.md, "Noise generator").
+            scale = replicas.first_replica(self.noise_stddev / ops.cast(denominator, "float32"))
+            sizes = [math.prod(g.shape) for g in result]
+            values = noise.gaussian_noise(self._key(), step, sum(sizes), scale)
+            noisy, start = [], 0
+            for gradient, size in zip(result, sizes):
+                part = ops.reshape(values[start : start + size], gradient.shape)
+                noisy.append(gradient + ops.cast(part, gradient.dtype))
+                start += size
         self.step_count.assign(step + 1)
-        if self.noise_multiplier == 0:
-            return result
-        denominator = self._denominator(stats)  # the weights' denominator
-        # One draw for all variables: one key per stream and step.
-        sizes = [math.prod(g.shape) for g in result]
-        noise = self.standard_normal(sum(sizes), step)
-        # Drawn once globally: on replica 0 only (every replica has the same key and
-        # step), the replicas' sum then holds one noise (pergrad.replicas).
-        scale = replicas.first_replica(self.noise_stddev / ops.cast(denominator, "float32"))
-        noisy, start = [], 0
-        for gradient, size in zip(result, sizes):
-            part = ops.reshape(noise[start : start + size] * scale, gradient.shape)
-            noisy.append(gradient + ops.cast(part, gradient.dtype))
-            start += size
         return noisy
 
     def get_config(self):

@@ -1,0 +1,175 @@
+"""DP-SGD's Gaussian noise: 128 secret-keyed random bits per coordinate, one float32 normal each.
+
+The construction, and why each of its parts is there, is in docs/architecture.md
+("Privacy", "Noise generator"). In short:
+
+- **Key.** 256 bits, eight 32-bit words ``K = (K_a, K_b)``. Step ``t`` draws with its own
+  128-bit key ``k_t = F_{K_a}(t, 0, 0, 1) xor K_b``.
+- **Bits.** Coordinate ``i`` of step ``t`` gets the 128-bit block ``F_{k_t}(i, t, 0, 0)``:
+  no two coordinates, steps or keys share a bit. ``F`` is a counter-based block
+  function of Salmon et al. (2011): Threefry-4x32-20 written here in ``keras.ops`` (XLA
+  fuses it on JAX, and on TensorFlow through ``adapter().fused``), Philox-4x64-10 (NumPy's)
+  on torch, which has no compiler to fuse ~200 integer ops (``adapter().noise_words``).
+- **Transform.** ``n = s * sqrt(-2 ln U) * sin(Psi)``: ``U`` uniform on ``2^96`` points of
+  ``(0, 1]`` (rounded to float32, so at every scale down to ``2^-96`` it has a full
+  mantissa), ``Psi`` uniform on ``2^31`` points of ``(0, pi/2)``, ``s`` a fair sign. It is
+  Box-Muller's ``R cos(Theta)`` with ``|cos(Theta)|`` replaced by the equal-in-law
+  ``sin(Psi)``: one coordinate per transform, no pairs. The support reaches
+  ``sqrt(192 ln 2) = 11.54`` standard deviations.
+
+References:
+    Salmon, Moraes, Dror and Shaw, 2011, "Parallel random numbers: as easy as 1, 2, 3",
+    SC'11. https://doi.org/10.1145/2063384.2063405
+    Box and Muller, 1958, "A note on the generation of random normal deviates", Ann. Math.
+    Statist. 29(2).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import secrets
+
+import keras
+import numpy as np
+from keras import ops
+
+from pergrad.backend import adapter
+
+#: 32-bit words in a key: 256 bits (the two 128-bit halves ``K_a``, ``K_b``).
+KEY_WORDS = 8
+
+#: The largest value the transform returns, in standard deviations: ``U = 2^-96``.
+SUPPORT = math.sqrt(2 * 96 * math.log(2))
+
+# Threefry-4x32's rotation constants and key-schedule parity (Random123).
+_ROTATIONS = ((10, 26), (11, 21), (13, 27), (23, 5), (6, 20), (17, 11), (25, 10), (18, 20))
+_PARITY = 0x1BD11BDA
+_ROUNDS = 20
+# Taylor coefficients of sin(x) / x in x^2 to degree 12: error < 7e-10 on [0, pi/2].
+_SINE = tuple((-1.0) ** k / math.factorial(2 * k + 1) for k in range(7))
+# XLA:CPU vectorizes a fused loop only when its length is a multiple of the vector width.
+_ALIGN = 16
+
+
+def key_words(seed: int | None, spawn: int) -> np.ndarray:
+    """``KEY_WORDS`` random 32-bit words as int32 bit patterns: from :mod:`secrets` with
+    ``seed=None``, else derived from ``(seed, spawn)`` (``numpy.random.SeedSequence``)."""
+    if seed is None:
+        words = np.array([secrets.randbits(32) for _ in range(KEY_WORDS)], np.uint32)
+    else:
+        words = np.random.SeedSequence(seed, spawn_key=(spawn,)).generate_state(KEY_WORDS, np.uint32)
+    return words.view(np.int32)
+
+
+def _rotate_left(x, bits):
+    return ops.bitwise_or(ops.left_shift(x, bits), ops.right_shift(x, 32 - bits))
+
+
+def threefry4x32(counter, key):
+    """Threefry-4x32-20 (Salmon et al., 2011) on uint32 tensors: 4 counter words of one shape
+    and 4 key words (scalars) to 4 output words, the block function of JAX's own generator
+    widened from 2 to 4 words (a 128-bit key and block)."""
+    parity = ops.convert_to_tensor(_PARITY, "uint32")
+    schedule = list(key) + [ops.bitwise_xor(ops.bitwise_xor(key[0], key[1]), ops.bitwise_xor(key[2], key[3]))]
+    schedule[4] = ops.bitwise_xor(schedule[4], parity)
+    x = [ops.add(counter[i], schedule[i]) for i in range(4)]
+    for r in range(_ROUNDS):
+        first, second = _ROTATIONS[r % 8]
+        # Even rounds mix (0, 1) and (2, 3), odd rounds (0, 3) and (2, 1): Threefry's permutation.
+        b, d = (1, 3) if r % 2 == 0 else (3, 1)
+        x[0] = ops.add(x[0], x[b])
+        x[b] = ops.bitwise_xor(_rotate_left(x[b], first), x[0])
+        x[2] = ops.add(x[2], x[d])
+        x[d] = ops.bitwise_xor(_rotate_left(x[d], second), x[2])
+        if r % 4 == 3:
+            injection = r // 4 + 1
+            x = [ops.add(x[i], schedule[(injection + i) % 5]) for i in range(4)]
+            x[3] = ops.add(x[3], ops.convert_to_tensor(injection, "uint32"))
+    return x
+
+
+def _field(word, shift, bits):
+    """Bits ``[shift, shift + bits)`` of a 32-bit word as float32 (exact: ``bits <= 24``).
+    The mask makes this right for uint32 words and for int32 bit patterns alike."""
+    return ops.cast(ops.bitwise_and(ops.right_shift(word, shift), (1 << bits) - 1), "float32")
+
+
+def normal_from_words(words, scale):
+    """``scale`` times a standard normal value per coordinate, from 4 words of 32 bits each.
+
+    ``words``: 4 integer tensors of one shape (uint32, or int32 bit patterns); ``scale``:
+    a float32 scalar. The 96 bits of ``words[0:3]`` make ``U`` (four 24-bit digits, the
+    last one offset by one so that ``U > 0``), ``words[3]`` gives ``Psi`` (31 bits) and the
+    sign (1 bit). ``scale`` multiplies the radius, so that the last rounding is the
+    product ``radius * sin(Psi)``: it rounds many (radius, angle) pairs into every float32.
+    """
+    first, second, third, fourth = words
+    digits = (
+        _field(first, 8, 24),
+        _field(first, 0, 8) * 65536.0 + _field(second, 16, 16),
+        _field(second, 0, 16) * 256.0 + _field(third, 24, 8),
+        _field(third, 0, 24) + 1.0,
+    )
+    uniform = digits[3]
+    for digit in reversed(digits[:3]):
+        uniform = digit + uniform * 2.0**-24
+    uniform = uniform * 2.0**-24
+    radius = ops.sqrt(-2.0 * ops.log(uniform)) * scale
+    angle = (_field(fourth, 1, 24) + _field(fourth, 25, 7) * 2.0**24 + 0.5) * (math.pi / 2**32)
+    squared = angle * angle
+    sine = _SINE[-1]
+    for coefficient in reversed(_SINE[:-1]):
+        sine = sine * squared + coefficient
+    value = radius * (angle * sine)
+    negative = ops.equal(ops.bitwise_and(fourth, 1), 1)
+    return ops.where(negative, -value, value)
+
+
+def random_words(key, step, count: int):
+    """The 4 random words of each of ``count`` coordinates at step ``step``: 4 integer
+    tensors (uint32, or int32 bit patterns on torch) of shape ``(count,)``.
+
+    ``key``: ``KEY_WORDS`` int32 words; ``step``: an int32 scalar (tensor or int).
+    """
+    noise_words = getattr(adapter(), "noise_words", None)
+    if noise_words is not None:
+        return noise_words(key, step, count)
+    key = ops.cast(key, "uint32")
+    step = ops.cast(step, "uint32")
+    zero = ops.zeros((), "uint32")
+    derived = threefry4x32([step, zero, zero, zero + 1], [key[i] for i in range(4)])
+    step_key = [ops.bitwise_xor(derived[i], key[4 + i]) for i in range(4)]
+    index = ops.cast(ops.arange(count, dtype="int32"), "uint32")
+    zeros = ops.zeros((count,), "uint32")
+    return threefry4x32([index, zeros + step, zeros, zeros], step_key)
+
+
+def _noise(key, step, scale, size):
+    # Drawn for a multiple of _ALIGN coordinates, then cut: every value is computed by the
+    # same vectorized code whatever the size.
+    padded = -(-size // _ALIGN) * _ALIGN
+    values = normal_from_words(random_words(key, step, padded), scale)
+    return values[:size] if padded > size else values
+
+
+_COMPILED = {}
+
+
+def gaussian_noise(key, step, size: int, scale):
+    """``scale`` times ``size`` independent N(0, 1) values: a pure function of (key, step).
+
+    Args:
+        key: ``KEY_WORDS`` int32 words (a tensor): the secret key's bit patterns.
+        step: the step (an int32 scalar tensor or int); each step draws other bits.
+        size: how many values (static).
+        scale: the standard deviation (a float32 scalar tensor or float).
+    """
+    cache_key = (keras.backend.backend(), size)
+    if cache_key not in _COMPILED:
+        # TensorFlow's graph runs each of the ~200 integer ops as its own pass over memory;
+        # XLA fuses them (jax.jit does already; torch draws its words in NumPy).
+        fused = getattr(adapter(), "fused", None)
+        function = functools.partial(_noise, size=size)
+        _COMPILED[cache_key] = fused(function) if fused else function
+    return _COMPILED[cache_key](ops.cast(key, "int32"), ops.cast(step, "int32"), ops.cast(scale, "float32"))
