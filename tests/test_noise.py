@@ -198,9 +198,9 @@ def test_the_support_reaches_eleven_standard_deviations():
 def test_the_transform_resolves_the_angle_and_the_radius_bits():
     """The statistical tests cannot see a coarse angle (256 angles already give a law close
     to N(0, 1)), but the floating-point argument needs angle and radius resolved to float32
-    precision: 2^20 consecutive values of the angle's low bits (near Psi = 0, U = 1/4) and
-    2^16 of U's last 24-bit digit (near U = 2^-96, where the radius is 11.5) give as many
-    distinct, ordered values."""
+    precision: 2^20 consecutive angles (near Psi = 0, U = 1/4) and 2^16 values of U's last
+    24-bit digit (near U = 2^-96, where the radius is 11.5) give as many distinct, ordered
+    values."""
 
     def transform(*words):
         words = [np.asarray(w, np.int64).astype(np.uint32).view(np.int32) for w in words]
@@ -209,8 +209,12 @@ def test_the_transform_resolves_the_angle_and_the_radius_bits():
 
     sweep = np.arange(2**20, dtype=np.int64)
     quarter = np.full(sweep.size, 0x40000000)  # U = 1/4: every word's digits 0x400000...
-    by_angle = transform(quarter, quarter, quarter, sweep << 1)
+    by_angle = transform(quarter, quarter, quarter, sweep << 8)
     assert np.all(np.diff(by_angle) > 0)
+    # ... and they are the radius times the sine (float32 rounding: a few ulps).
+    quarter_uniform = (0x400000 + (0x4000 + (0x40 + 2.0**-24) * 2.0**-24) * 2.0**-24) * 2.0**-24  # digits
+    exact = math.sqrt(-2 * math.log(quarter_uniform)) * np.sin((sweep + 0.5) * math.pi / 2**25)
+    np.testing.assert_allclose(by_angle, exact, rtol=4e-7)
     sweep = sweep[: 2**16]
     zeros, angle = np.zeros(sweep.size), np.full(sweep.size, 0xFFFFFFFE)  # sin(Psi) ~ 1, positive
     by_radius = transform(zeros, zeros, sweep, angle)

@@ -51,41 +51,40 @@ class DPGaussian(WeightedAggregator):
     batch's size, which is right only for fixed-size batches with no padding
     (and fixed-size batches are not what the Poisson accountant analyses).
 
-    **Noise.** A Box-Muller transform of uniform bits: each pair of noise
-    coordinates is ``r (cos a, sin a)`` with ``r = sqrt(-2 ln u)``, ``u``
-    uniform on ``2^48`` points of ``(0, 1]`` and ``a`` on ``2^24`` angles.
-    The support matters for privacy: beyond the largest value a noise
-    sampler can return, the privacy loss is infinite. With 48 bits the
-    noise reaches ``sqrt(96 ln 2) = 8.16`` standard deviations (a normal
-    from one float32 uniform through ``erfinv``, as ``jax.random.normal``,
-    stops at 5.4, where one record of a ``z = 0.5`` run lands outside the
-    support with probability ~3e-4 per step; here ``Q(8.16 - 1/z)``, 4e-10 at
-    ``z = 0.5``). Every 24-bit word is the XOR of
-    5 independent ``keras.random.randint`` streams, each keyed by its own
-    pair of 31-bit key words plus the step count (5 x 62 key bits), so the noise of step ``t``
-    is a pure function of (key, ``t``). XOR makes each stream a one-time pad
-    for the others: the noise is predictable only with every stream's key,
-    and a guess of some of them leaves uniform bits, so the keys cannot be
-    searched one at a time. Backends key one draw with at most 64 bits
-    (torch with 32), so five streams give more than 128 bits of key on every
-    backend.
+    **Noise.** Every coordinate of every step gets its own 128 random bits: a block
+    of a counter-based generator (Salmon et al., 2011; Threefry-4x32-20 fused by XLA on
+    JAX and TensorFlow, NumPy's Philox-4x64-10 on torch) keyed by 128 bits derived from a
+    256-bit secret key and the step count, so the noise of step ``t`` is a pure function
+    of (key, ``t``). The value is ``s * sqrt(-2 ln U) * sin(Psi)`` (Box-Muller's
+    ``R cos(Theta)`` with ``|cos(Theta)|`` replaced by the equal-in-law ``sin(Psi)``),
+    ``U`` uniform on ``2^96`` points of ``(0, 1]`` with a full float32 mantissa down to
+    ``2^-72``, ``Psi`` uniform on ``2^24`` points of ``(0, pi/2)``, ``s`` a fair sign.
+    The support matters for privacy: beyond the largest value a noise sampler can
+    return, the privacy loss is infinite. Here the noise reaches ``sqrt(192 ln 2) =
+    11.54`` standard deviations (a normal from one float32 uniform through ``erfinv``,
+    as ``jax.random.normal``, stops at 5.4, where one record of a ``z = 0.5`` run lands
+    outside the support with probability ~3e-4 per step). Against the floating-point
+    attacks on Gaussian samplers (Mironov 2012; Holohan and Braghin 2021; Jin et al.,
+    S&P 2022) it has no Box-Muller pairs to invert, every float32 value up to about 10.4
+    standard deviations is one of its outputs, and each output's probability averages
+    over ~2^24 angles (docs/architecture.md, "Noise generator").
 
     With ``seed=None`` (the default, and the only secure choice) the key
     comes from Python's :mod:`secrets` (the operating system's CSPRNG):
     ``keras.utils.set_random_seed`` does not touch it. The key is the XOR of
     two halves. One lives only in this Python object (and the programs
-    compiled from it). The other is a non-trainable variable, ``noise_key``,
-    so that compiled steps read it at run time and it can change: it is never
-    saved (``model.save``, ``save_weights`` and ``BackupAndRestore`` write
-    only ``step_count``), and it is drawn afresh when this rule loads
-    weights, so a restored run never replays noise an earlier run released.
-    ``get_weights()`` shows ``noise_key`` but not the hidden half, and weights
-    copied into another model do not give it this key. With an integer
-    ``seed`` both halves are derived from it (``numpy.random.SeedSequence``):
-    the noise of step ``t`` is reproducible, and a resumed run adds exactly
-    the noise of an uninterrupted one. That is for tests and debugging only
-    and **not secure**: anyone who knows the seed can subtract the noise
-    (Opacus's ``secure_mode=False``).
+    compiled from it). The other is a non-trainable variable, ``noise_key``
+    (eight int32 words), so that compiled steps read it at run time and it can
+    change: it is never saved (``model.save``, ``save_weights`` and
+    ``BackupAndRestore`` write only ``step_count``), and it is drawn afresh when
+    this rule loads weights, so a restored run never replays noise an earlier
+    run released. ``get_weights()`` shows ``noise_key`` but not the hidden
+    half, and weights copied into another model do not give it this key. With
+    an integer ``seed`` both halves are derived from it
+    (``numpy.random.SeedSequence``): the noise of step ``t`` is reproducible,
+    and a resumed run adds exactly the noise of an uninterrupted one. That is
+    for tests and debugging only and **not secure**: anyone who knows the seed
+    can subtract the noise (Opacus's ``secure_mode=False``).
 
     **Step count.** ``step_count``, a non-trainable int32 variable, counts the
     steps this rule has taken (one per call). It is model state: carried
@@ -131,6 +130,11 @@ class DPGaussian(WeightedAggregator):
     References:
         Abadi et al., 2016, "Deep learning with differential privacy".
         https://arxiv.org/abs/1607.00133
+        Salmon, Moraes, Dror and Shaw, 2011, "Parallel random numbers: as easy
+        as 1, 2, 3", SC'11. https://doi.org/10.1145/2063384.2063405
+        Jin, McMurtry, Rubinstein and Ohrimenko, 2022, "Are we there yet?
+        Timing and floating-point attacks on differential privacy systems",
+        IEEE S&P. https://arxiv.org/abs/2112.05307
     """
 
     #: Tells ``pergrad.privacy.check_dp_fit`` and the accountant callback that

@@ -12,7 +12,7 @@ The construction, and why each of its parts is there, is in docs/architecture.md
   on torch, which has no compiler to fuse ~200 integer ops (``adapter().noise_words``).
 - **Transform.** ``n = s * sqrt(-2 ln U) * sin(Psi)``: ``U`` uniform on ``2^96`` points of
   ``(0, 1]`` (rounded to float32, so at every scale down to ``2^-96`` it has a full
-  mantissa), ``Psi`` uniform on ``2^31`` points of ``(0, pi/2)``, ``s`` a fair sign. It is
+  mantissa), ``Psi`` uniform on ``2^24`` points of ``(0, pi/2)``, ``s`` a fair sign. It is
   Box-Muller's ``R cos(Theta)`` with ``|cos(Theta)|`` replaced by the equal-in-law
   ``sin(Psi)``: one coordinate per transform, no pairs. The support reaches
   ``sqrt(192 ln 2) = 11.54`` standard deviations.
@@ -46,8 +46,10 @@ SUPPORT = math.sqrt(2 * 96 * math.log(2))
 _ROTATIONS = ((10, 26), (11, 21), (13, 27), (23, 5), (6, 20), (17, 11), (25, 10), (18, 20))
 _PARITY = 0x1BD11BDA
 _ROUNDS = 20
-# Taylor coefficients of sin(x) / x in x^2 to degree 12: error < 7e-10 on [0, pi/2].
-_SINE = tuple((-1.0) ** k / math.factorial(2 * k + 1) for k in range(7))
+# sin(x) / x on [0, pi/2] as a polynomial in x^2: least squares in the relative error
+# (largest 1.5e-8, 1.8e-7 evaluated in float32: a few float32 ulps).
+_SINE = (0.999999996264332, -0.1666665893587081, 0.008333075044006677, -0.00019810930104060065,
+         2.609566501405381e-06)
 # XLA:CPU vectorizes a fused loop only when its length is a multiple of the vector width.
 _ALIGN = 16
 
@@ -89,41 +91,41 @@ def threefry4x32(counter, key):
     return x
 
 
-def _field(word, shift, bits):
-    """Bits ``[shift, shift + bits)`` of a 32-bit word as float32 (exact: ``bits <= 24``).
-    The mask makes this right for uint32 words and for int32 bit patterns alike."""
-    return ops.cast(ops.bitwise_and(ops.right_shift(word, shift), (1 << bits) - 1), "float32")
+def _bits(word, shift, width):
+    """Bits ``[shift, shift + width)`` of 32-bit words. The mask makes this right for uint32
+    words and for int32 bit patterns (whose right shift is arithmetic) alike."""
+    return ops.bitwise_and(ops.right_shift(word, shift), (1 << width) - 1)
 
 
 def normal_from_words(words, scale):
     """``scale`` times a standard normal value per coordinate, from 4 words of 32 bits each.
 
     ``words``: 4 integer tensors of one shape (uint32, or int32 bit patterns); ``scale``:
-    a float32 scalar. The 96 bits of ``words[0:3]`` make ``U`` (four 24-bit digits, the
-    last one offset by one so that ``U > 0``), ``words[3]`` gives ``Psi`` (31 bits) and the
-    sign (1 bit). ``scale`` multiplies the radius, so that the last rounding is the
-    product ``radius * sin(Psi)``: it rounds many (radius, angle) pairs into every float32.
+    a float32 scalar. The 96 bits of ``words[0:3]`` are the four 24-bit digits of ``U``
+    (exact in float32; the last one offset by one so that ``U > 0``), the top 24 bits of
+    ``words[3]`` give ``Psi`` and its lowest bit the sign. ``scale`` multiplies the radius,
+    so that the last rounding is the product ``radius * sin(Psi)``: it rounds many (radius,
+    angle) pairs into every float32, whatever the scale.
     """
     first, second, third, fourth = words
-    digits = (
-        _field(first, 8, 24),
-        _field(first, 0, 8) * 65536.0 + _field(second, 16, 16),
-        _field(second, 0, 16) * 256.0 + _field(third, 24, 8),
-        _field(third, 0, 24) + 1.0,
-    )
-    uniform = digits[3]
+    digits = [
+        _bits(first, 8, 24),
+        ops.bitwise_or(ops.left_shift(ops.bitwise_and(first, 0xFF), 16), _bits(second, 16, 16)),
+        ops.bitwise_or(ops.left_shift(ops.bitwise_and(second, 0xFFFF), 8), _bits(third, 24, 8)),
+        ops.bitwise_and(third, 0xFFFFFF),
+    ]
+    digits = [ops.cast(digit, "float32") for digit in digits]
+    uniform = digits[3] + 1.0
     for digit in reversed(digits[:3]):
         uniform = digit + uniform * 2.0**-24
-    uniform = uniform * 2.0**-24
-    radius = ops.sqrt(-2.0 * ops.log(uniform)) * scale
-    angle = (_field(fourth, 1, 24) + _field(fourth, 25, 7) * 2.0**24 + 0.5) * (math.pi / 2**32)
+    radius = ops.sqrt(-2.0 * ops.log(uniform * 2.0**-24)) * scale
+    angle = (ops.cast(_bits(fourth, 8, 24), "float32") + 0.5) * (math.pi / 2**25)
     squared = angle * angle
     sine = _SINE[-1]
     for coefficient in reversed(_SINE[:-1]):
         sine = sine * squared + coefficient
     value = radius * (angle * sine)
-    negative = ops.equal(ops.bitwise_and(fourth, 1), 1)
-    return ops.where(negative, -value, value)
+    return ops.where(ops.equal(ops.bitwise_and(fourth, 1), 1), -value, value)
 
 
 def random_words(key, step, count: int):
