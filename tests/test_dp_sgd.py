@@ -253,3 +253,29 @@ def test_fit_adds_fresh_noise_of_the_right_scale_at_every_step():
         assert abs(update.std() - std) < 0.1 * std
     for a, b in [(0, 1), (0, 2), (1, 2)]:
         assert abs(np.corrcoef(updates[a], updates[b])[0, 1]) < 0.1
+
+
+@pytest.mark.parametrize("path", ["statistics", "materialized"])
+def test_a_non_finite_example_adds_nothing_to_a_convolution(path):
+    """A NaN example in a noise-free DP step of a convolution equals the batch with that
+    example's weight 0, on both paths. On the statistics path the convolution's per-example
+    gradients are materialized for the norms and serve the weighted sum, zeroed with A and D."""
+    import problems
+
+    updates = []
+    for poison in (False, True):
+        problem = problems.conv2d(batch=5)
+        x, weights = problem.x.copy(), np.ones(5, "float32")
+        if poison:
+            x[2, 1, 1, 0] = np.nan
+        else:
+            weights[2] = 0.0
+        rule = dp_gaussian(1.0, 0.0, expected_batch_size=4.0)
+        model = pergrad.PerExampleModel(problem.model, rule, path=path)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=problem.loss)
+        before = [np.array(w) for w in model.model.get_weights()]
+        model.train_on_batch(x, problem.y, sample_weight=weights)
+        updates.append([w - b for w, b in zip(model.model.get_weights(), before)])
+    for poisoned, clean in zip(updates[1], updates[0]):
+        assert np.all(np.isfinite(poisoned)) and np.any(clean != 0)
+        np.testing.assert_allclose(poisoned, clean, rtol=1e-5, atol=1e-7)

@@ -156,7 +156,8 @@ def replicas(model=None):
 
 
 def noise_words(key, step, count):
-    """DP noise's random words (``pergrad.privacy.noise``): 4 int32 arrays of ``count``.
+    """DP noise's random words (``pergrad.privacy.noise``): 4 NumPy arrays of ``count`` int32
+    bit patterns (torch has no unsigned 32-bit shifts).
 
     Eager torch has no compiler to fuse the ~200 integer ops of a counter-based block
     function per value (XLA does it for JAX and TensorFlow), and its own CPU generator

@@ -9,10 +9,11 @@ The construction, and why each of its parts is there, is in docs/architecture.md
   no two coordinates, steps or keys share a bit. ``F`` is a counter-based block
   function of Salmon et al. (2011): Threefry-4x32-20 written here in ``keras.ops`` (XLA
   fuses it on JAX, and on TensorFlow through ``adapter().fused``), Philox-4x64-10 (NumPy's)
-  on torch, which has no compiler to fuse ~200 integer ops (``adapter().noise_words``).
+  on torch, which has no compiler to fuse ~200 integer ops (``adapter().noise_words``; the
+  transform then runs in NumPy too).
 - **Transform.** ``n = s * sqrt(-2 ln U) * sin(Psi)``: ``U`` uniform on ``2^96`` points of
-  ``(0, 1]`` (rounded to float32, so at every scale down to ``2^-96`` it has a full
-  mantissa), ``Psi`` uniform on ``2^24`` points of ``(0, pi/2)``, ``s`` a fair sign. It is
+  ``(0, 1]`` (four 24-bit digits, so that in float32 it has a full mantissa at every scale
+  down to ``2^-72``), ``Psi`` uniform on ``2^24`` points of ``(0, pi/2)``, ``s`` a fair sign. It is
   Box-Muller's ``R cos(Theta)`` with ``|cos(Theta)|`` replaced by the equal-in-law
   ``sin(Psi)``: one coordinate per transform, no pairs. The support reaches
   ``sqrt(192 ln 2) = 11.54`` standard deviations.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import secrets
+import types
 
 import keras
 import numpy as np
@@ -65,6 +67,7 @@ def key_words(seed: int | None, spawn: int) -> np.ndarray:
 
 
 def _rotate_left(x, bits):
+    """Rotation of uint32 words (XLA emits one vector instruction where the CPU has one)."""
     return ops.bitwise_or(ops.left_shift(x, bits), ops.right_shift(x, 32 - bits))
 
 
@@ -91,46 +94,56 @@ def threefry4x32(counter, key):
     return x
 
 
-def _bits(word, shift, width):
+def _bits(xp, word, shift, width):
     """Bits ``[shift, shift + width)`` of 32-bit words. The mask makes this right for uint32
     words and for int32 bit patterns (whose right shift is arithmetic) alike."""
-    return ops.bitwise_and(ops.right_shift(word, shift), (1 << width) - 1)
+    return xp.bitwise_and(xp.right_shift(word, shift), (1 << width) - 1)
 
 
-def normal_from_words(words, scale):
+#: The operations of the transform on NumPy arrays, for torch's words (they come from NumPy):
+#: a torch op costs a Python dispatch through Keras and a fresh tensor each, NumPy's less.
+_NUMPY = types.SimpleNamespace(
+    bitwise_and=np.bitwise_and, bitwise_or=np.bitwise_or, left_shift=np.left_shift,
+    right_shift=np.right_shift, log=np.log, sqrt=np.sqrt, equal=np.equal, where=np.where,
+    cast=lambda x, dtype: x.astype(dtype),
+)
+
+
+def normal_from_words(words, scale, xp=ops):
     """``scale`` times a standard normal value per coordinate, from 4 words of 32 bits each.
 
     ``words``: 4 integer tensors of one shape (uint32, or int32 bit patterns); ``scale``:
-    a float32 scalar. The 96 bits of ``words[0:3]`` are the four 24-bit digits of ``U``
-    (exact in float32; the last one offset by one so that ``U > 0``), the top 24 bits of
-    ``words[3]`` give ``Psi`` and its lowest bit the sign. ``scale`` multiplies the radius,
-    so that the last rounding is the product ``radius * sin(Psi)``: it rounds many (radius,
-    angle) pairs into every float32, whatever the scale.
+    a float32 scalar; ``xp``: ``keras.ops``, or NumPy's equivalents for NumPy words. The 96
+    bits of ``words[0:3]`` are the four 24-bit digits of ``U`` (exact in float32; the last
+    one offset by one so that ``U > 0``), the top 24 bits of ``words[3]`` give ``Psi`` and
+    its lowest bit the sign. ``scale`` multiplies the radius, so that the last rounding is
+    the product ``radius * sin(Psi)``: it rounds many (radius, angle) pairs into every
+    float32, whatever the scale.
     """
     first, second, third, fourth = words
     digits = [
-        _bits(first, 8, 24),
-        ops.bitwise_or(ops.left_shift(ops.bitwise_and(first, 0xFF), 16), _bits(second, 16, 16)),
-        ops.bitwise_or(ops.left_shift(ops.bitwise_and(second, 0xFFFF), 8), _bits(third, 24, 8)),
-        ops.bitwise_and(third, 0xFFFFFF),
+        _bits(xp, first, 8, 24),
+        xp.bitwise_or(xp.left_shift(xp.bitwise_and(first, 0xFF), 16), _bits(xp, second, 16, 16)),
+        xp.bitwise_or(xp.left_shift(xp.bitwise_and(second, 0xFFFF), 8), _bits(xp, third, 24, 8)),
+        xp.bitwise_and(third, 0xFFFFFF),
     ]
-    digits = [ops.cast(digit, "float32") for digit in digits]
+    digits = [xp.cast(digit, "float32") for digit in digits]
     uniform = digits[3] + 1.0
     for digit in reversed(digits[:3]):
         uniform = digit + uniform * 2.0**-24
-    radius = ops.sqrt(-2.0 * ops.log(uniform * 2.0**-24)) * scale
-    angle = (ops.cast(_bits(fourth, 8, 24), "float32") + 0.5) * (math.pi / 2**25)
+    radius = xp.sqrt(-2.0 * xp.log(uniform * 2.0**-24)) * scale
+    angle = (xp.cast(_bits(xp, fourth, 8, 24), "float32") + 0.5) * (math.pi / 2**25)
     squared = angle * angle
     sine = _SINE[-1]
     for coefficient in reversed(_SINE[:-1]):
         sine = sine * squared + coefficient
     value = radius * (angle * sine)
-    return ops.where(ops.equal(ops.bitwise_and(fourth, 1), 1), -value, value)
+    return xp.where(xp.equal(xp.bitwise_and(fourth, 1), 1), -value, value)
 
 
 def random_words(key, step, count: int):
-    """The 4 random words of each of ``count`` coordinates at step ``step``: 4 integer
-    tensors (uint32, or int32 bit patterns on torch) of shape ``(count,)``.
+    """The 4 random words of each of ``count`` coordinates at step ``step``: 4 uint32
+    tensors of shape ``(count,)`` (on torch NumPy arrays of int32 bit patterns).
 
     ``key``: ``KEY_WORDS`` int32 words; ``step``: an int32 scalar (tensor or int).
     """
@@ -148,6 +161,10 @@ def random_words(key, step, count: int):
 
 
 def _noise(key, step, scale, size):
+    if getattr(adapter(), "noise_words", None) is not None:  # torch: NumPy words
+        scale = np.float32(ops.convert_to_numpy(scale))
+        values = normal_from_words(random_words(key, step, size), scale, _NUMPY)
+        return ops.convert_to_tensor(values)
     # Drawn for a multiple of _ALIGN coordinates, then cut: every value is computed by the
     # same vectorized code whatever the size.
     padded = -(-size // _ALIGN) * _ALIGN
