@@ -155,9 +155,12 @@ def replicas(model=None):
     return 1
 
 
-def noise_words(key, step, count):
-    """DP noise's random words (``pergrad.privacy.noise``): 4 NumPy arrays of ``count`` int32
-    bit patterns (torch has no unsigned 32-bit shifts).
+def noise_words(key, step, count, chunk=1 << 16):
+    """DP noise's random words (``pergrad.privacy.noise``), ``chunk`` coordinates at a time:
+    yields ``(4, n)`` int32 NumPy arrays (bit patterns: torch has no unsigned 32-bit
+    shifts), ``n <= chunk``, for consecutive coordinates; they do not depend on ``chunk``.
+    Chunks small enough for the cache leave the process's heap alone (a whole draw's
+    arrays make glibc map and unmap fresh pages at every step).
 
     Eager torch has no compiler to fuse the ~200 integer ops of a counter-based block
     function per value (XLA does it for JAX and TensorFlow), and its own CPU generator
@@ -176,6 +179,7 @@ def noise_words(key, step, count):
     master, mask = (int.from_bytes(key[i : i + 4].tobytes(), "little") for i in (0, 4))
     derived = np.random.Philox(key=master, counter=[step, 0, 0, 1]).random_raw(2)
     step_key = int.from_bytes(derived.tobytes(), "little") ^ mask
-    bits = np.random.Philox(key=step_key, counter=[0, step, 0, 0]).random_raw(2 * count)
-    words = bits.view(np.int32).reshape(count, 4)
-    return [np.ascontiguousarray(words[:, i]) for i in range(4)]
+    generator = np.random.Philox(key=step_key, counter=[0, step, 0, 0])
+    for start in range(0, count, chunk):
+        size = min(chunk, count - start)
+        yield generator.random_raw(2 * size).view(np.int32).reshape(size, 4).T.copy()

@@ -104,8 +104,7 @@ def _bits(xp, word, shift, width):
 #: a torch op costs a Python dispatch through Keras and a fresh tensor each, NumPy's less.
 _NUMPY = types.SimpleNamespace(
     bitwise_and=np.bitwise_and, bitwise_or=np.bitwise_or, left_shift=np.left_shift,
-    right_shift=np.right_shift, log=np.log, sqrt=np.sqrt, equal=np.equal, where=np.where,
-    cast=lambda x, dtype: x.astype(dtype),
+    right_shift=np.right_shift, log=np.log, sqrt=np.sqrt, cast=lambda x, dtype: x.astype(dtype),
 )
 
 
@@ -131,14 +130,14 @@ def normal_from_words(words, scale, xp=ops):
     uniform = digits[3] + 1.0
     for digit in reversed(digits[:3]):
         uniform = digit + uniform * 2.0**-24
-    radius = xp.sqrt(-2.0 * xp.log(uniform * 2.0**-24)) * scale
+    signed_scale = scale * (1.0 - 2.0 * xp.cast(xp.bitwise_and(fourth, 1), "float32"))  # exact
+    radius = xp.sqrt(-2.0 * xp.log(uniform * 2.0**-24)) * signed_scale
     angle = (xp.cast(_bits(xp, fourth, 8, 24), "float32") + 0.5) * (math.pi / 2**25)
     squared = angle * angle
     sine = _SINE[-1]
     for coefficient in reversed(_SINE[:-1]):
         sine = sine * squared + coefficient
-    value = radius * (angle * sine)
-    return xp.where(xp.equal(xp.bitwise_and(fourth, 1), 1), -value, value)
+    return radius * (angle * sine)
 
 
 def random_words(key, step, count: int):
@@ -149,7 +148,7 @@ def random_words(key, step, count: int):
     """
     noise_words = getattr(adapter(), "noise_words", None)
     if noise_words is not None:
-        return noise_words(key, step, count)
+        return list(np.concatenate(list(noise_words(key, step, count)), axis=1).reshape(4, count))
     key = ops.cast(key, "uint32")
     step = ops.cast(step, "uint32")
     zero = ops.zeros((), "uint32")
@@ -161,9 +160,12 @@ def random_words(key, step, count: int):
 
 
 def _noise(key, step, scale, size):
-    if getattr(adapter(), "noise_words", None) is not None:  # torch: NumPy words
-        scale = np.float32(ops.convert_to_numpy(scale))
-        values = normal_from_words(random_words(key, step, size), scale, _NUMPY)
+    noise_words = getattr(adapter(), "noise_words", None)
+    if noise_words is not None:  # torch: NumPy words, transformed in NumPy chunk by chunk
+        scale, values, start = np.float32(ops.convert_to_numpy(scale)), np.empty(size, np.float32), 0
+        for words in noise_words(key, step, size):
+            values[start : start + words.shape[1]] = normal_from_words(words, scale, _NUMPY)
+            start += words.shape[1]
         return ops.convert_to_tensor(values)
     # Drawn for a multiple of _ALIGN coordinates, then cut: every value is computed by the
     # same vectorized code whatever the size.
