@@ -61,9 +61,14 @@ def samplers(size: int):
     step = ops.convert_to_tensor(7, "int32")
     compiled = adapter().compile
     pergrad_noise = compiled(lambda k, s: noise.gaussian_noise(k, s, size, 0.5))
-    # The words as gaussian_noise draws them: one XLA cluster on TensorFlow.
-    fused = getattr(adapter(), "fused", compiled)
-    pergrad_words = fused(lambda k, s: noise.random_words(k, s, size)[3])
+    # The words as gaussian_noise draws them: one XLA cluster on TensorFlow, NumPy's chunks
+    # on torch.
+    if hasattr(adapter(), "noise_words"):
+        def pergrad_words(k, s):
+            return [chunk[3] for chunk in adapter().noise_words(k, s, size)][-1]
+    else:
+        fused = getattr(adapter(), "fused", compiled)
+        pergrad_words = fused(lambda k, s: noise.random_words(k, s, size)[3])
     seed = keras.random.SeedGenerator(0)
     rows = {
         "pergrad noise": lambda: pergrad_noise(key, step),
