@@ -73,19 +73,21 @@ def test_kolmogorov_smirnov_against_the_normal_cdf(sample):
 @pytest.mark.parametrize("threshold", [3.0, 3.5, 4.0, 4.5])
 def test_tail_frequencies_match_the_exact_gaussian(sample, threshold):
     """Counts of |n| > t in 2^22 draws against n * 2Q(t), within 6 binomial standard
-    errors (expected counts 11,300 at 3 sigma to 28 at 4.5 sigma)."""
+    errors (expected counts 11,300 at 3 sigma to 28 at 4.5 sigma; further out, see the next
+    test)."""
     n = sample.size
     p = 2 * special.ndtr(-threshold)
     count = np.count_nonzero(np.abs(sample) > threshold)
     assert abs(count - n * p) < SE * math.sqrt(n * p * (1 - p))
 
 
-def conditional_tail(threshold, zero_digits):
-    """P(|n| > t | the first ``zero_digits`` 24-bit digits of U are 0), exactly.
+def conditional_tail(threshold, zero_bits):
+    """P(|n| > t | the leading ``zero_bits`` bits of U are 0), exactly.
 
-    Given them, U = 2^(-24 k) V with V uniform: R^2 = 48 k ln 2 + E, E exponential with mean
-    2, and |n| = R sin(Psi) with Psi uniform on (0, pi/2) independent of R."""
-    floor = 48 * zero_digits * math.log(2)
+    Given them, U = 2^-k V with V uniform (k = ``zero_bits``): R^2 = 2 k ln 2 + E, E
+    exponential with mean 2, and |n| = R sin(Psi) with Psi uniform on (0, pi/2)
+    independent of R."""
+    floor = 2 * zero_bits * math.log(2)
 
     def given(psi):
         return min(1.0, math.exp(-((threshold / math.sin(psi)) ** 2 - floor) / 2))
@@ -95,22 +97,22 @@ def conditional_tail(threshold, zero_digits):
 
 
 @pytest.mark.parametrize(
-    "zero_digits, thresholds", [(1, (6.0, 6.5, 7.0)), (2, (8.5, 9.0, 9.5, 10.0))]
+    "zero_bits, thresholds",
+    [(16, (5.0, 5.5, 6.0)), (24, (6.0, 6.5, 7.0)), (48, (8.25, 8.5, 8.75, 9.0)), (72, (10.1, 10.25, 10.5))],
 )
-def test_deep_tail_matches_the_exact_gaussian_given_a_small_uniform(zero_digits, thresholds):
-    """The tail beyond 6 sigma in counts that 2^20 draws can test: the generator's words with
-    U's leading 24-bit digits set to 0 (an event of probability 2^-24 per digit, uniform bits
-    given it) sample n given U < 2^(-24 k), whose tail is known exactly. This checks the
-    transform's tail (U's low digits, the logarithm at tiny U, the sine) out to 10 sigma;
-    expected counts 70 to 170,000, compared within 6 binomial standard errors."""
+def test_deep_tail_matches_the_exact_gaussian_given_a_small_uniform(zero_bits, thresholds):
+    """The tail from 5 sigma on, in counts that 2^20 draws can test: the generator's words with
+    U's leading k = 16, 24, 48 or 72 bits set to 0 (an event of probability 2^-k, uniform bits
+    given it) sample n given U < 2^-k, whose tail is known exactly. This checks the
+    transform's tail (U's low digits, the logarithm at tiny U, the sine) out to 10.5 sigma;
+    expected counts 45 to 47,000, compared within 6 binomial standard errors."""
     words = noise.random_words(ops.convert_to_tensor(key(12)), 3, SMALL)
-    words[0] = ops.bitwise_and(words[0], 0xFF)  # digit 1 = 0
-    if zero_digits == 2:
-        words[1] = ops.bitwise_and(words[1], 0xFFFF)  # digit 2 = 0
-        words[0] = ops.zeros_like(words[0])
+    masks = {16: (0xFFFF,), 24: (0xFF,), 48: (0, 0xFFFF), 72: (0, 0, 0xFFFFFF)}[zero_bits]
+    for index, mask in enumerate(masks):  # keep the bits below the leading k of words 0..2
+        words[index] = ops.bitwise_and(words[index], mask)
     values = np.abs(np.asarray(ops.convert_to_numpy(noise.normal_from_words(words, 1.0)), np.float64))
     for threshold in thresholds:
-        p = conditional_tail(threshold, zero_digits)
+        p = conditional_tail(threshold, zero_bits)
         count = np.count_nonzero(values > threshold)
         assert abs(count - SMALL * p) < SE * math.sqrt(SMALL * p * (1 - p)), (threshold, count, SMALL * p)
 
