@@ -204,6 +204,14 @@ def make_plan(problem, trainable_values, batched, shared) -> Plan:
                 out.append(v)
         return out
 
+    if not root_reads and not any(record["reads"] for record in records):
+        # The forward pass reads its variables in a StatelessScope, so reads are always
+        # recorded; none means the recording failed, and planning on it would give every
+        # layer a zero gradient.
+        raise RuntimeError(
+            f"pergrad's dry run of model {model.name!r} recorded no variable read; the "
+            "statistics path cannot plan it. Please report this with the model."
+        )
     if trainable(root_reads):
         names = [v.path for v in trainable(root_reads)]
         raise Unsupported(f"the model reads trainable variable(s) {names} outside any layer call")
@@ -244,16 +252,18 @@ def _cached_plan(problem, trainable_values, batched, shared) -> Plan:
         tuple((tuple(t.shape[1:]), str(t.dtype)) for t in tree.flatten(batched)),
     )
     cache = problem.__dict__.setdefault("_statistics_plans", {})
-    if key not in cache:
+    plan = cache.get(key)  # (read once: another thread may clear the cache meanwhile)
+    if plan is None:
+        try:
+            plan = make_plan(problem, trainable_values, batched, shared)
+        except Unsupported as error:
+            plan = error  # found once, not on every step
         if len(cache) > 8:
             cache.clear()
-        try:
-            cache[key] = make_plan(problem, trainable_values, batched, shared)
-        except Unsupported as error:
-            cache[key] = error  # found once, not on every step
-    if isinstance(cache[key], Unsupported):
-        raise cache[key]
-    return cache[key]
+        cache[key] = plan
+    if isinstance(plan, Unsupported):
+        raise plan
+    return plan
 
 
 def _log_fallback(problem, plan):

@@ -27,6 +27,7 @@ cheaper formula (the "ghost" norms of Dense), choosing per call with
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import keras
 from keras import ops
@@ -38,18 +39,26 @@ _RULES: dict[type, LayerRule] = {}
 
 # Values of the model's other variables while the engine computes statistics:
 # a layer recomputed by :func:`per_example_vjp` may read them (a frozen moving
-# mean), and Keras's JAX step has emptied the variables themselves.
-_CONTEXT: list = []
+# mean), and Keras's JAX step has emptied the variables themselves. Per thread:
+# models trained concurrently in threads each see their own.
+_CONTEXT = threading.local()
+
+
+def _context_stack() -> list:
+    if not hasattr(_CONTEXT, "stack"):
+        _CONTEXT.stack = []
+    return _CONTEXT.stack
 
 
 @contextlib.contextmanager
 def variable_values(pairs):
     """Makes ``(variable, value)`` pairs what :func:`per_example_vjp`'s layer calls read."""
-    _CONTEXT.append(list(pairs))
+    stack = _context_stack()
+    stack.append(list(pairs))
     try:
         yield
     finally:
-        _CONTEXT.pop()
+        stack.pop()
 
 
 def register_rule(layer_class: type):
@@ -193,7 +202,8 @@ class LayerRule:
 
 def context_values() -> list:
     """The ``(variable, value)`` pairs of :func:`variable_values` (empty outside the engine)."""
-    return list(_CONTEXT[-1]) if _CONTEXT else []
+    stack = _context_stack()
+    return list(stack[-1]) if stack else []
 
 
 def per_example_vjp(function, variables, values, inputs, delta) -> list:
