@@ -34,6 +34,7 @@ class StatelessTrainStep:
         # The optimizer's too: a LossScaleOptimizer's scale is read from its state.
         mapping += list(zip(self.optimizer.variables, optimizer_variables))
         with keras.StatelessScope(state_mapping=mapping) as scope:
+            allowed = self.aggregator.update_allowed()  # (before the step counts itself)
             grads, y_pred, seeds = self._aggregated_gradients(
                 trainable, [non_trainable[i] for i in inner], x, y, sample_weight
             )
@@ -53,9 +54,11 @@ class StatelessTrainStep:
             sample_weight=sample_weight,
             training=True,
         )
-        trainable, optimizer_variables = self.optimizer.stateless_apply(
-            optimizer_variables, grads, trainable
-        )
+        updated = self.optimizer.stateless_apply(optimizer_variables, grads, trainable)
+        if allowed is not None:  # a refused step leaves the weights and the optimizer as they were
+            updated = tree.map_structure(lambda new, old: ops.where(allowed, new, old), updated,
+                                         (trainable, optimizer_variables))
+        trainable, optimizer_variables = updated
         logs, metrics_variables = compat.update_metrics_variables(
             self, metrics_variables, loss, x, y, y_pred, sample_weight
         )
@@ -75,6 +78,7 @@ class StatefulTrainStep:
         self._check_single_replica()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x = self._check_batch(x, y)
+        allowed = self.aggregator.update_allowed()  # (before the step counts itself)
         variables = self.model.non_trainable_variables
         grads, y_pred, seeds = self._aggregated_gradients(
             [v.value for v in self.model.trainable_variables],
@@ -95,10 +99,23 @@ class StatefulTrainStep:
         )
         compat.loss_tracker(self).update_state(loss, sample_weight=ops.shape(tree.flatten(x)[0])[0])
         with adapter().no_grad(after=x):  # after the batch check (TF graphs)
-            self.optimizer.apply(grads, self.model.trainable_variables)
+            self._apply(grads, allowed)
         if reports is not None:
             self._keep_reports(reports)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _apply(self, grads, allowed):
+        variables = self.model.trainable_variables
+        if allowed is None:
+            self.optimizer.apply(grads, variables)
+            return
+        if not self.optimizer.built:  # (TF: no variable may be created inside the cond)
+            self.optimizer.build(variables)
+
+        def apply():
+            self.optimizer.apply(grads, variables)
+
+        ops.cond(allowed, apply, lambda: None)
 
 
 def for_backend(name: str) -> type:

@@ -126,6 +126,11 @@ class Aggregator(keras.layers.Layer):
     def aggregate(self, gradients: list) -> list:
         raise NotImplementedError
 
+    def update_allowed(self):
+        """A scalar boolean tensor, read before each train step: ``False`` makes the step
+        apply no update (a DP rule's budget); ``None`` (the default): always allowed."""
+        return None
+
     # -- use as a pre-processing step of ``chain`` -------------------------------------
 
     def preprocess(self, gradients: list) -> list:

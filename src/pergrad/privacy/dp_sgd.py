@@ -32,6 +32,8 @@ from pergrad.arguments import check_number
 _STREAMS = 5
 _BITS = 24
 _KEY_BITS = 31
+#: ``DPGaussian.step_limit`` without a budget.
+UNLIMITED_STEPS = 2**31 - 1
 
 
 def normal_from_words(words):
@@ -224,7 +226,24 @@ class DPGaussian(WeightedAggregator):
             shape=(_STREAMS, 2), initializer="zeros", dtype="int32", trainable=False, name="noise_key"
         )
         self.noise_key.assign(self._pending_key)
+        # The step count the privacy budget stops at (set by PrivacyAccountant for a
+        # fit, unlimited otherwise): a variable, so that a compiled group of
+        # `steps_per_execution` steps reads it at every step. Never saved: a budget
+        # belongs to the accountant, not to the weights.
+        self.step_limit = self.add_weight(
+            shape=(), initializer=keras.initializers.Constant(UNLIMITED_STEPS), dtype="int32",
+            trainable=False, name="step_limit",
+        )
         self.built = True
+
+    def update_allowed(self):
+        """Whether the privacy budget allows this step: ``step_count < step_limit``.
+
+        The train step reads it before the step and applies the update (and
+        counts the step) only if it is true, so that a budget holds inside a
+        group of ``steps_per_execution`` steps too.
+        """
+        return ops.less(self.step_count.value, self.step_limit.value)
 
     def save_own_variables(self, store):
         # The step count only: the key must not reach files, weights or backups.
@@ -300,7 +319,8 @@ class DPGaussian(WeightedAggregator):
 
     def finalize(self, result: list, stats: ExampleStatistics) -> list:
         step = self.step_count.value
-        self.step_count.assign(step + 1)
+        # A step past the budget's limit is not applied (update_allowed), nor counted.
+        self.step_count.assign(step + ops.cast(ops.less(step, self.step_limit.value), "int32"))
         if self.noise_multiplier == 0:
             return result
         denominator = self._denominator(stats)  # the weights' denominator
