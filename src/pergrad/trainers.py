@@ -13,11 +13,23 @@ from __future__ import annotations
 import keras
 from keras import ops, tree
 
-from pergrad import compat
+from pergrad import compat, replicas
 from pergrad.backend import adapter
 
 
-class StatelessTrainStep:
+class _StepLimit:
+    def _update_allowed(self):
+        """The rule's ``update_allowed()``, read before the step counts itself, where Keras runs
+        several steps without calling back (``steps_per_execution > 1``; between single
+        steps ``PrivacyAccountant`` stops training itself); ``None`` otherwise."""
+        # Not on several TF replicas: the optimizer's all-reduce cannot run in a `cond`
+        # (PrivacyAccountant refuses a budget with steps_per_execution > 1 there).
+        if getattr(self, "steps_per_execution", 1) <= 1 or replicas.count(self) > 1:
+            return None
+        return self.aggregator.update_allowed()
+
+
+class StatelessTrainStep(_StepLimit):
     """JAX: ``train_step(state, data)`` over the state's arrays."""
 
     def train_step(self, state, data):
@@ -34,7 +46,7 @@ class StatelessTrainStep:
         # The optimizer's too: a LossScaleOptimizer's scale is read from its state.
         mapping += list(zip(self.optimizer.variables, optimizer_variables))
         with keras.StatelessScope(state_mapping=mapping) as scope:
-            allowed = self.aggregator.update_allowed()  # (before the step counts itself)
+            allowed = self._update_allowed()
             grads, y_pred, seeds = self._aggregated_gradients(
                 trainable, [non_trainable[i] for i in inner], x, y, sample_weight
             )
@@ -70,7 +82,7 @@ class StatelessTrainStep:
         return [ids[id(v)] for v in self.model.non_trainable_variables]
 
 
-class StatefulTrainStep:
+class StatefulTrainStep(_StepLimit):
     """TensorFlow and torch: ``train_step(data)`` that assigns the variables."""
 
     def train_step(self, data):
@@ -78,7 +90,7 @@ class StatefulTrainStep:
         self._check_single_replica()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x = self._check_batch(x, y)
-        allowed = self.aggregator.update_allowed()  # (before the step counts itself)
+        allowed = self._update_allowed()
         variables = self.model.non_trainable_variables
         grads, y_pred, seeds = self._aggregated_gradients(
             [v.value for v in self.model.trainable_variables],

@@ -7,6 +7,7 @@ import warnings
 
 import keras
 
+from pergrad import replicas
 from pergrad.privacy.accounting import epsilon, make_accountant, steps_within_budget
 from pergrad.privacy.dp_sgd import UNLIMITED_STEPS
 from pergrad.privacy.validation import check_accountant_matches, validate_model_for_dp
@@ -133,6 +134,14 @@ class PrivacyAccountant(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._check_model()
+        grouped = getattr(self.model, "steps_per_execution", 1) > 1
+        if self.max_epsilon is not None and grouped and replicas.count(self.model) > 1:
+            raise ValueError(
+                "PrivacyAccountant(max_epsilon=...) cannot enforce the budget inside a group of "
+                f"steps_per_execution={self.model.steps_per_execution} steps on several replicas "
+                "(a tf.distribute train step cannot skip the optimizer's all-reduce): compile "
+                "with steps_per_execution=1."
+            )
         if self.max_epsilon is not None:
             self.max_steps = steps_within_budget(
                 self.max_epsilon, self.delta, self.noise_multiplier, self.sampling_rate, self.accountant
