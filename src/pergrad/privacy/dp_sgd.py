@@ -24,6 +24,7 @@ from keras import ops
 
 from pergrad import replicas
 from pergrad.aggregators.base import ExampleStatistics, WeightedAggregator
+from pergrad.aggregators.basic import clip_factors
 from pergrad.arguments import check_number
 
 # The noise: _STREAMS keyed randint streams XORed into _BITS-bit words, three
@@ -123,8 +124,9 @@ class DPGaussian(WeightedAggregator):
     sees it (:func:`zero_non_finite_examples`, in one place whatever the
     rule): the example contributes nothing, which is within the sensitivity
     bound, whereas a NaN update would reveal without noise that such an
-    example was in the batch. An example whose squared norm overflows gets
-    clipping factor 0 here. Call :func:`zero_non_finite_examples` yourself
+    example was in the batch. A finite example whose squared norm overflows
+    float32 is clipped like any other (norms are computed with a per-example
+    scale). Call :func:`zero_non_finite_examples` yourself
     when you apply the rule outside ``PerExampleModel``.
 
     **Where it may be used.** Only as the model's aggregator: a DP rule inside
@@ -273,11 +275,11 @@ class DPGaussian(WeightedAggregator):
 
     def clip_factors(self, stats: ExampleStatistics):
         """``min(1, threshold / norm)``: ``(B,)`` flat, ``(B, V)`` per layer."""
-        flat_norms = ops.sqrt(ops.cast(stats.flat_squared_norms, "float32"))
+        flat_norms = ops.cast(stats.flat_norms, "float32")
         if self.per_layer:
-            variables = stats.squared_norms.shape[1]
+            variables = stats.scaled_squared_norms.shape[1]
             threshold = self.l2_norm_clip / math.sqrt(variables)
-            norms = ops.sqrt(ops.cast(stats.squared_norms, "float32"))
+            norms = ops.cast(stats.norms, "float32")
             clipped = ops.any(norms > threshold, axis=1)
         else:
             threshold = self.l2_norm_clip
@@ -296,9 +298,8 @@ class DPGaussian(WeightedAggregator):
             count = ops.maximum(sums[0], 1.0)
             self.report("clipped_fraction", sums[1] / count)
             self.report("gradient_norm", sums[2] / count)
-        # An overflowing norm (inf) gives factor 0, a NaN norm too: that example
-        # adds nothing.
-        factors = threshold / ops.maximum(norms, threshold)
+        # A NaN norm gives factor 0 (an infinite one does already): that example adds nothing.
+        factors = clip_factors(norms, threshold)
         return ops.where(ops.isnan(factors), 0.0, factors)
 
     def example_weights(self, stats: ExampleStatistics):
