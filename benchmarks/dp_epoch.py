@@ -35,7 +35,7 @@ accuracy after the last epoch and the epsilon of the run (``privacy.epsilon``,
 the same q, z and step count for all rows, delta 1e-5). ``pad / real`` is
 the padding rows over the real rows of the batches trained on; ``traces`` the
 Python calls of the train step (JAX: one compile per batch shape; TensorFlow:
-one trace; torch is eager: every step). Threads: 1 per library (``bench.py``'s
+traces that do not depend on the shapes; torch is eager: every step). Threads: 1 per library (``bench.py``'s
 setting).
 """
 
