@@ -1,7 +1,7 @@
 """DP-SGD's guarantee under ordinary use: resume, masks, noise secrecy, wrappers, quiet leaks.
 
-One tiny problem throughout (20 examples, 3 features, Dense(1), q = 0.25: one padded
-batch shape), so JAX compiles few programs.
+One tiny problem throughout (20 examples, 3 features, Dense(1), q = 0.25: batches padded
+to 8 or 16 rows), so JAX compiles few programs.
 """
 
 from __future__ import annotations
