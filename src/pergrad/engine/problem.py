@@ -123,7 +123,7 @@ def check_model(model, training: bool = True) -> None:
             f"Model {model.name!r} has no trainable variables, so it has no "
             "per-example gradients."
         )
-    adapter().warn_known_problems(compat.flatten_layers(model, include_self=False))
+    adapter().check_known_problems(compat.flatten_layers(model, include_self=False))
     if training:
         mixing = batch_normalization_layers(model)
         if mixing:
