@@ -201,8 +201,7 @@ def test_batch_smaller_than_the_rule_needs():
     problem = _mlp_problem()
     with pytest.raises(ValueError, match="needs batches of at least 3 examples; got a batch of 1"):
         _fit(problem, NeedsThree(), batch_size=1)
-    # A fresh model: an error in Keras's first JAX train step leaves the variables emptied.
-    problem = _mlp_problem()
+    # The refused fit() left the model usable (Keras's JAX fit() empties its variables).
     grads = pergrad.per_example_gradients(problem.model, problem.x[:2], problem.y[:2])
     with pytest.raises(ValueError, match="needs a batch of at least 3 examples, got 2"):
         NeedsThree()(grads)

@@ -6,6 +6,8 @@ makes of a sequence model's kernels: ``(B, 1, T, d) @ (d, u)``. pergrad converts
 products without the unit axes (``pergrad.backend._tensorflow_onednn``). The graph test
 checks the products themselves, whatever the oneDNN setting of the session; the
 subprocess test trains attention models with oneDNN on (a crash cannot kill pytest).
+On torch, attention under ``vmap`` runs the math kernel: the fused CPU kernel has no
+batching rule (torch warns of a "performance drop" and loops over the examples).
 """
 
 from __future__ import annotations
@@ -245,3 +247,26 @@ def test_without_the_conversions_oneDNN_refuses_before_anything_runs(monkeypatch
     assert any(not np.allclose(a, b) for a, b in zip(problem.model.get_weights(), before))
 
 
+
+_TORCH_ATTENTION = """
+import keras, numpy as np
+import pergrad, problems
+problem = problems.attention()
+problem.compile()
+pergrad.per_example_gradients(problem.model, problem.x, problem.y)  # vmap(grad(...))
+print("done")
+"""
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's attention kernels")
+def test_torch_attention_has_no_unbatched_kernel_under_vmap():
+    """torch warns once per process: a fresh one, whose only attention runs under vmap."""
+    environment = dict(os.environ, KERAS_BACKEND="torch")
+    environment["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(SOURCE), str(TESTS), os.environ.get("PYTHONPATH")])
+    )
+    completed = subprocess.run([sys.executable, "-c", _TORCH_ATTENTION], env=environment,
+                               capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip().endswith("done")
+    assert "batching rule" not in completed.stderr, completed.stderr[-3000:]

@@ -49,6 +49,11 @@ import importlib
 import keras
 
 
+class NotVectorizable(NotImplementedError):
+    """The backend's vectorizing transform cannot run this model's forward pass, on any
+    engine path (the statistics path does not hand such a model to the materialized one)."""
+
+
 def adapter():
     """Returns the adapter module for the active Keras backend."""
     name = keras.backend.backend()

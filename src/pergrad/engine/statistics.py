@@ -36,7 +36,7 @@ from keras import ops, tree
 from pergrad import compat, replicas
 from pergrad.aggregators.base import ExampleStatistics, RowMap
 from pergrad.aggregators.basic import Mean, Sum
-from pergrad.backend import adapter
+from pergrad.backend import NotVectorizable, adapter
 from pergrad.engine.materialized import per_example_gradients
 from pergrad.engine.problem import _bounded_get, _map, _problem, check_model
 from pergrad.layer_rules import rule_for
@@ -359,6 +359,8 @@ def _has_convolutions(model) -> bool:
 def _grad_with_aux(fn, params):
     try:
         return adapter().grad_with_aux(fn, params)
+    except NotVectorizable:
+        raise  # no path can: the materialized one fails the same way
     except NotImplementedError as error:
         raise Unsupported(str(error)) from error
 
