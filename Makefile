@@ -17,14 +17,15 @@ install: $(BIN)/.installed
 demo: install
 	KERAS_BACKEND=$${KERAS_BACKEND:-tensorflow} $(BIN)/pergrad demo
 
-# The Keras backend is fixed at import: one pytest process per backend.
-# TF_ENABLE_ONEDNN_OPTS=0: TensorFlow 2.21's oneDNN kernels corrupt memory in the
-# vectorized per-example pass of attention layers (README, Limitations).
+# The Keras backend is fixed at import: one pytest process per backend. TensorFlow
+# runs with its own defaults (oneDNN on, on x86): pergrad's vectorized pass avoids the
+# products its matmul corrupts (README, Limitations), and tests/test_vectorized_kernels.py
+# forces oneDNN on in a process of its own.
 test: install
 	$(BIN)/ruff check src tests benchmarks
 	@for backend in $(BACKENDS); do \
 		echo "=== KERAS_BACKEND=$$backend ==="; \
-		TF_ENABLE_ONEDNN_OPTS=0 KERAS_BACKEND=$$backend $(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS) tests || exit 1; \
+		KERAS_BACKEND=$$backend $(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS) tests || exit 1; \
 	done
 
 bench: install

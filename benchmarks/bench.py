@@ -28,7 +28,8 @@ SGD(0.01)); ``mlp<B>`` / ``cnn<B>`` / ``tfm<B>`` at any batch size B:
   LayerNormalization -> GlobalAveragePooling1D -> Dense(10), at batch 64.
   On TensorFlow the run sets ``TF_ENABLE_ONEDNN_OPTS=0`` (unless already set)
   whenever a ``tfm`` model is in it: TF 2.21's oneDNN kernels corrupt memory
-  in vectorized attention (README, known issues). The header says which.
+  in the hand-written recipes' vectorized attention (README, Limitations;
+  pergrad's own passes avoid it). The header says which.
 
 ``--quick`` (smoke test): ``mlp16``, ``cnn16`` and ``tfm8``, the variants plain,
 vmap clip, pergrad median, pergrad clip and pergrad krum (and the Opacus pair
@@ -187,9 +188,11 @@ def process_options(argv=None):
 def disable_onednn_for_attention(options):
     """TensorFlow: oneDNN off (unless the user set it) when a transformer is benchmarked.
 
-    TF 2.21's oneDNN kernels corrupt memory in the vectorized per-example pass
-    of attention layers (README, known issues), which aborts the whole process;
-    it must be decided before TensorFlow is imported.
+    TF 2.21's oneDNN matmul corrupts memory on the products that a vectorized map
+    makes of a sequence model's kernels (README, Limitations); pergrad converts
+    them in a form oneDNN computes correctly, the hand-written ``jacobian`` and
+    ``vmap`` recipes do not, and the process aborts. It must be decided before
+    TensorFlow is imported.
     """
     if options.memory_child:
         models = [options.memory_child[0]]

@@ -66,6 +66,22 @@ def update_metrics_variables(model, metrics_variables, loss, x, y, y_pred, sampl
     return model._update_metrics_variables(metrics_variables, loss, x, y, y_pred, sample_weight)
 
 
+def held_values(variables) -> list:
+    """``Variable._value`` of each variable: the arrays they hold, to refill them after
+    Keras's JAX ``fit()`` emptied them (:func:`refill_emptied`)."""
+    return [(v, v._value) for v in variables]
+
+
+def refill_emptied(held) -> None:
+    """Gives every variable of ``held`` that Keras's JAX ``fit()`` left empty
+    (``Variable._value`` is ``None``) its held array back, unless a step consumed that
+    array (JAX deletes the buffers a jitted step was donated)."""
+    for variable, value in held:
+        deleted = getattr(value, "is_deleted", lambda: False)()
+        if variable._value is None and value is not None and not deleted:
+            variable.assign(value)
+
+
 def own_trainable_variables(layer) -> list:
     """``Layer._trainable_variables``: the trainable variables a layer tracks itself
     (created by it or assigned to one of its attributes), not its sublayers'."""

@@ -32,6 +32,28 @@ class _StepLimit:
 class StatelessTrainStep(_StepLimit):
     """JAX: ``train_step(state, data)`` over the state's arrays."""
 
+    def make_train_function(self, force=False):
+        # fit() calls this once it has built the optimizer, before it empties the variables.
+        self.__dict__["_held_values"] = compat.held_values(
+            self.trainable_variables + self.non_trainable_variables
+            + list(self.optimizer.variables) + self.metrics_variables
+        )
+        return super().make_train_function(force)
+
+    def fit(self, *args, **kwargs):
+        # Keras's JAX fit() empties the variables while its steps run and puts the latest
+        # state back at the end; when the first step fails (a refusal, raised while the
+        # step is traced) there is none, and the model could no longer predict. The
+        # variables get back the arrays they held (the same buffers as the steps' state:
+        # no extra memory; a step that ran consumed them).
+        try:
+            return super().fit(*args, **kwargs)
+        except BaseException:
+            compat.refill_emptied(self.__dict__.get("_held_values", ()))
+            raise
+        finally:
+            self.__dict__.pop("_held_values", None)
+
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -41,7 +41,7 @@ from pergrad.aggregators.base import (
     scaled_squared_norms_of_rows,
 )
 from pergrad.aggregators.basic import Mean, Sum
-from pergrad.backend import adapter
+from pergrad.backend import NotVectorizable, adapter
 from pergrad.engine.materialized import per_example_gradients
 from pergrad.engine.problem import _bounded_get, _map, _problem, check_model
 from pergrad.layer_rules import rule_for
@@ -374,6 +374,8 @@ def _has_convolutions(model) -> bool:
 def _grad_with_aux(fn, params):
     try:
         return adapter().grad_with_aux(fn, params)
+    except NotVectorizable:
+        raise  # no path can: the materialized one fails the same way
     except NotImplementedError as error:
         raise Unsupported(str(error)) from error
 
