@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 BACKENDS ?= tensorflow jax torch
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench bench-peers lint clean
 
 $(BIN)/.installed: pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,18 +17,28 @@ install: $(BIN)/.installed
 demo: install
 	KERAS_BACKEND=$${KERAS_BACKEND:-tensorflow} $(BIN)/pergrad demo
 
-# The Keras backend is fixed at import: one pytest process per backend.
-# TF_ENABLE_ONEDNN_OPTS=0: TensorFlow 2.21's oneDNN kernels corrupt memory in the
-# vectorized per-example pass of attention layers (README, Limitations).
+# The Keras backend is fixed at import: one pytest process per backend. TensorFlow
+# runs with its own defaults (oneDNN on, on x86): pergrad's vectorized pass avoids the
+# products its matmul corrupts (README, Limitations), and tests/test_vectorized_kernels.py
+# forces oneDNN on in a process of its own.
 test: install
 	$(BIN)/ruff check src tests benchmarks
 	@for backend in $(BACKENDS); do \
 		echo "=== KERAS_BACKEND=$$backend ==="; \
-		TF_ENABLE_ONEDNN_OPTS=0 KERAS_BACKEND=$$backend $(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS) tests || exit 1; \
+		KERAS_BACKEND=$$backend $(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS) tests || exit 1; \
 	done
 
 bench: install
 	KERAS_BACKEND=$${KERAS_BACKEND:-tensorflow} $(BIN)/python benchmarks/bench.py
+
+# The benchmarks' DP peers (benchmarks/peers.py, dp_epoch.py): Opacus and jax-privacy (the bench
+# extra), then without dependencies tf_keras of the installed TensorFlow's minor version (it requires
+# the package `tensorflow`, which would install beside tensorflow-cpu) and TF Privacy (its pins,
+# tensorflow~=2.4, numpy~=1.21, dp-accounting==0.4.3, would move the project's versions).
+bench-peers: install
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/pip install -q --no-deps "tensorflow-privacy==0.9.0" "tf-keras~=$$(TF_CPP_MIN_LOG_LEVEL=3 \
+		$(BIN)/python -c 'import tensorflow as tf; print(tf.__version__.rsplit(".", 1)[0])' 2>/dev/null).0"
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks

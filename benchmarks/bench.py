@@ -28,7 +28,8 @@ SGD(0.01)); ``mlp<B>`` / ``cnn<B>`` / ``tfm<B>`` at any batch size B:
   LayerNormalization -> GlobalAveragePooling1D -> Dense(10), at batch 64.
   On TensorFlow the run sets ``TF_ENABLE_ONEDNN_OPTS=0`` (unless already set)
   whenever a ``tfm`` model is in it: TF 2.21's oneDNN kernels corrupt memory
-  in vectorized attention (README, known issues). The header says which.
+  in the hand-written recipes' vectorized attention (README, Limitations;
+  pergrad's own passes avoid it). The header says which.
 
 ``--quick`` (smoke test): ``mlp16``, ``cnn16`` and ``tfm8``, the variants plain,
 vmap clip, pergrad median, pergrad clip and pergrad krum (and the Opacus pair
@@ -82,6 +83,11 @@ eager). Tracing/compilation is excluded (warm-up steps are run first).
   ``x plain`` is against the Keras plain step; the goals also give
   ``opacus clip / opacus-plain`` and compare absolute times with pergrad clip.
   Without Opacus the run says "opacus not installed" and has no such rows.
+- ``tf-privacy-plain``, ``tf-privacy clip|dp`` (TensorFlow run) and ``jax-privacy clip|dp``,
+  ``jax-privacy-mb1 clip|dp`` (JAX run): TF Privacy's fast gradient clipping (on
+  ``tf_keras``) and jax-privacy's ``keras_api.make_private``, where installed
+  (``make bench-peers``), each checked against pergrad clip before it is timed;
+  see ``benchmarks/peers.py``. Without them, "skipped: ... not installed" rows.
 
 Aggregations: ``mean``; ``median`` (coordinate-wise); ``clip`` = per-example
 flat L2 clipping to 1.0 then the mean (``pergrad.aggregators.clip(1.0)``);
@@ -182,9 +188,11 @@ def process_options(argv=None):
 def disable_onednn_for_attention(options):
     """TensorFlow: oneDNN off (unless the user set it) when a transformer is benchmarked.
 
-    TF 2.21's oneDNN kernels corrupt memory in the vectorized per-example pass
-    of attention layers (README, known issues), which aborts the whole process;
-    it must be decided before TensorFlow is imported.
+    TF 2.21's oneDNN matmul corrupts memory on the products that a vectorized map
+    makes of a sequence model's kernels (README, Limitations); pergrad converts
+    them in a form oneDNN computes correctly, the hand-written ``jacobian`` and
+    ``vmap`` recipes do not, and the process aborts. It must be decided before
+    TensorFlow is imported.
     """
     if options.memory_child:
         models = [options.memory_child[0]]
@@ -254,6 +262,10 @@ limit_threads(PROCESS.threads)
 disable_onednn_for_attention(PROCESS)
 if PROCESS.malloc_tuning:
     tune_malloc()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402  (TF Privacy and jax-privacy rows, benchmarks/peers.py)
+
+peers.before_backend_import()  # TF Privacy's tf.keras must be tf_keras
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -682,6 +694,8 @@ def split_variant(name: str) -> tuple[str, str]:
 def unsupported(name: str, kind: str) -> str | None:
     """Why variant ``name`` cannot run on a ``kind`` model here, or None."""
     recipe, aggregation = split_variant(name)
+    if recipe in peers.RECIPES:
+        return peers.unsupported(recipe, aggregation, BACKEND)
     if recipe in ("opacus", "opacus-plain"):
         if BACKEND != "torch":
             return "Opacus rows run in the torch run only"
@@ -728,9 +742,12 @@ def make_stepper(name: str, kind: str, x, y):
     reason = unsupported(name, kind)
     if reason:
         raise Skipped(reason)
-    recipe, _ = split_variant(name)
+    recipe, aggregation = split_variant(name)
     if recipe in ("opacus", "opacus-plain"):
         return TorchStepper(kind, x, y, private=recipe == "opacus")
+    if recipe in peers.RECIPES:  # checked against pergrad clip first (not in memory children)
+        return peers.make_stepper(recipe, aggregation, kind, x, y, sys.modules[__name__],
+                                  checked=not PROCESS.memory_child)
     return Stepper(make_variant(name, kind), x, y)
 
 
@@ -740,7 +757,7 @@ def default_recipes() -> list[str]:
         recipes.append("pergrad-mat")
     if BACKEND == "torch" and opacus is not None:
         recipes.append("opacus")
-    return recipes
+    return recipes + peers.recipes_for(BACKEND)
 
 
 def variant_names(selected_aggregations, recipes, kind):
@@ -750,6 +767,10 @@ def variant_names(selected_aggregations, recipes, kind):
         if recipe == "opacus":
             if "clip" in selected_aggregations and not unsupported("opacus clip", kind):
                 names += ["opacus-plain", "opacus clip"]
+            continue
+        if recipe in peers.RECIPES:  # a peer not installed: a "skipped: not installed" row
+            names += [n for n in peers.variant_names(recipe, selected_aggregations)
+                      if not unsupported(n, kind) or not peers.installed(recipe)]
             continue
         for aggregation in selected_aggregations:
             if recipe == "jacobian" and aggregation != "clip":
@@ -950,7 +971,7 @@ def bench_model(key, args, log):
 
 
 #: variants whose own baseline is not the Keras plain step
-OWN_PLAIN = {"opacus clip": "opacus-plain"}
+OWN_PLAIN = {"opacus clip": "opacus-plain", **peers.OWN_PLAIN}
 
 
 def time_steppers(key, steppers, args, log):
@@ -1103,6 +1124,7 @@ def goals(rows):
                            f"plain's (goal <= {MEMORY_GOAL}x): {verdict(pg['peak_ratio'] <= MEMORY_GOAL)}"
                            f"; the step's share {pg['step_mib']:.0f} MiB vs plain's "
                            f"{plain['step_mib']:.0f} MiB")
+    out += peers.goal_lines(rows, find)
     out += coordinate_goals(rows, models)
     # the default path against the materialized engine (where path= exists)
     for model in models:
@@ -1201,8 +1223,9 @@ def main(argv=None):
                         + ",".join(a for a in AGGREGATIONS if a not in DEFAULT_AGGREGATIONS) + ")")
     parser.add_argument("--recipes", default=",".join(default_recipes()),
                         help="jacobian, vmap, pergrad, pergrad-mat and pergrad-stats (where "
-                        "PerExampleModel has path=), opacus (torch, if installed) "
-                        "(default %(default)s)")
+                        "PerExampleModel has path=), opacus (torch, if installed), tf-privacy and "
+                        "tf-privacy-plain (TensorFlow), jax-privacy and jax-privacy-mb1 (JAX; "
+                        "benchmarks/peers.py, if installed) (default %(default)s)")
     parser.add_argument("--variants", default=None,
                         help="explicit comma list of variants, e.g. 'plain,vmap clip,pergrad clip'")
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default 7, quick 2)")
@@ -1284,6 +1307,7 @@ def main(argv=None):
     else:
         versions += f", torch {torch.__version__}"
         versions += f", opacus {opacus.__version__}" if opacus else ", opacus not installed"
+    versions += peers.versions(BACKEND)
     options = [f"{os.cpu_count()} CPUs"]
     if args.threads:
         options.append(f"--threads {args.threads}")
@@ -1318,6 +1342,8 @@ def main(argv=None):
             f"max_grad_norm={CLIP_NORM:g}, poisson_sampling=False); its x plain is against the "
             "Keras plain step (the goals also give it against opacus-plain)."
             if opacus else "not installed (no Opacus rows)."))
+    if peers.describe(BACKEND):
+        print(peers.describe(BACKEND))
     if BACKEND == "tensorflow":
         print(f"TF train function jit_compile: {make_variant('plain', 'mlp').jit_compile} "
               "(Keras's default on this machine).")
@@ -1338,6 +1364,8 @@ def main(argv=None):
                  " only." if args.memory_variants else ""))
     print()
     print(table(rows, args))
+    if peers.CHECKS:
+        print("\nPeer checks (benchmarks/peers.py, before timing):\n" + "\n".join(peers.check_lines()))
     checks = goals(rows)
     if checks:
         print("\nGoals:\n" + checks)
@@ -1346,7 +1374,8 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(dict(backend=BACKEND, versions=versions, options=options,
                            source=source_state(), suite=args.suite, repeats=args.repeats,
-                           memory=args.memory, timing=not args.memory_only, rows=rows), f, indent=1)
+                           memory=args.memory, timing=not args.memory_only, rows=rows,
+                           peer_checks=peers.CHECKS), f, indent=1)
     return rows
 
 

@@ -4,8 +4,10 @@
 One ``bench.py`` run per backend (and suite) writes its rows with ``--json``;
 this script reads any number of such files and prints the markdown tables of
 the README's 'Benchmark' section: the speed table (the statistics rules, ratios
-to the plain step), the peak-memory table, the coordinate-rules table (issue 10)
-and the coordinate rules' memory table against issue 10's bound::
+to the plain step), the peak-memory table, the coordinate-rules table (issue 10),
+the coordinate rules' memory table against issue 10's bound, and the DP peers'
+table (milliseconds of pergrad's clip and DP steps beside TF Privacy's,
+jax-privacy's and Opacus's, ``benchmarks/peers.py``)::
 
     KERAS_BACKEND=tensorflow .venv/bin/python benchmarks/bench.py --json tf.json
     KERAS_BACKEND=tensorflow .venv/bin/python benchmarks/bench.py --suite coordinate \\
@@ -61,6 +63,17 @@ COORDINATE_COLUMNS = (
     ("bucketing(8, median)", "pergrad bucketmedian"),
     ("chain(clip, median)", "pergrad clipmedian"),
 )
+#: (column title, variant) of the DP peers' table (benchmarks/peers.py): milliseconds per step
+PEER_COLUMNS = (
+    ("pergrad clip", "pergrad clip"),
+    ("pergrad dp_gaussian", "pergrad dp"),
+    ("TF Privacy clip", "tf-privacy clip"),
+    ("TF Privacy dp", "tf-privacy dp"),
+    ("jax-privacy dp (vmap)", "jax-privacy dp"),
+    ("jax-privacy dp (microbatch 1)", "jax-privacy-mb1 dp"),
+    ("Opacus ghost clip", "opacus clip"),
+)
+PEERS = {"tf-privacy clip", "tf-privacy dp", "jax-privacy dp", "jax-privacy-mb1 dp", "opacus clip"}
 #: issue 10: the peak of ``median`` <= plain's peak + this many x B x the largest variable floats
 MEDIAN_MEMORY_COPIES = 2
 
@@ -166,6 +179,27 @@ def ratio_table(models, columns, opacus=False):
     return markdown(header, lines) if lines else None
 
 
+def peers_table(models):
+    """Milliseconds per step of pergrad's clip and DP step beside the peers' (a line where some
+    peer was timed); TF Privacy's own plain tf_keras step in the plain column's parentheses."""
+    variants = [v for _, v in PEER_COLUMNS]
+    header = ["backend", "model", "plain ms"] + [f"{t} ms" for t, _ in PEER_COLUMNS]
+    lines, seen = [], set()
+    for key in sorted(models, key=model_order):
+        backend, model = key
+        sources = ranked(models[key], variants, "ms")
+        rows = [pick(sources, v, "ms") for v in variants]
+        if not any(row for row, v in zip(rows, variants) if v in PEERS):
+            continue
+        plain, own = pick(sources, "plain", "ms"), pick(sources, "tf-privacy-plain", "ms")
+        label = row_label(backend, model, seen)
+        plain_cell = f"{plain['ms']:.1f}" if plain else "–"
+        plain_cell += f" (tf_keras {own['ms']:.1f})" if own else ""
+        lines.append([BACKENDS.get(backend, backend), label, plain_cell]
+                     + [f"{r['ms']:.1f}" if r else "–" for r in rows])
+    return markdown(header, lines) if lines else None
+
+
 def memory_table(models):
     """Peaks over the plain step's peak (``peak_ratio``); plain's peak in MiB."""
     variants = [v for _, v in MEMORY_COLUMNS]
@@ -250,7 +284,7 @@ def describe_runs(runs):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", help="bench.py --json outputs (any backends, suites)")
-    parser.add_argument("--tables", default="speed,memory,coordinate,coordinate-memory",
+    parser.add_argument("--tables", default="speed,memory,coordinate,coordinate-memory,peers",
                         help="which tables, in this order (default %(default)s)")
     args = parser.parse_args(argv)
     models, runs = load(args.files)
@@ -259,6 +293,7 @@ def main(argv=None):
         "memory": lambda: memory_table(models),
         "coordinate": lambda: ratio_table(models, COORDINATE_COLUMNS),
         "coordinate-memory": lambda: coordinate_memory_table(models),
+        "peers": lambda: peers_table(models),
     }
     print("Runs:\n" + describe_runs(runs))
     for name in args.tables.split(","):

@@ -105,3 +105,44 @@ def test_tf_byte_counter_counts_known_collectives():
     assert found["counts"] == {"all-gather": 2, "all-reduce": 1}
     assert found["bytes"] == {"all-gather": 16 + 120, "all-reduce": 20}
     assert found["ops"] == found["counts"]  # the graph's ops on replica 0, each counted
+
+
+_PEER_CHECKS = """
+import json, sys
+import bench, peers  # bench sets up TF Privacy's tf_keras before the backend is imported
+
+results = []
+for row in sys.argv[1:]:
+    recipe, kind = row.split(":")
+    results.append(peers.check(recipe, kind, f"{kind}4", *bench.make_data(kind, 4), bench))
+print(json.dumps(results))
+"""
+
+#: per session: the (recipe, model) pairs checked (the benchmark checks every row it times),
+#: and the packages they need
+_PEERS = {"tensorflow": (("tf-privacy:mlp", "tf-privacy:tfm"), ("tensorflow_privacy", "tf_keras")),
+          "jax": (("jax-privacy:mlp", "jax-privacy:tfm", "jax-privacy-mb1:mlp"), ("jax_privacy",))}
+
+
+@pytest.mark.skipif(BACKEND not in _PEERS,
+                    reason="the DP peers run in the tensorflow (TF Privacy) and jax (jax-privacy) sessions")
+def test_dp_peers_compute_the_noise_free_clipped_mean_of_pergrad_clip():
+    """benchmarks/peers.py's check: one noise-free SGD(1) step of TF Privacy's fast gradient
+    clipping / jax-privacy's make_private (vmap; microbatch 1 on the MLP) from the benchmark's
+    weights equals pergrad clip(1)'s, on the MLP and the transformer."""
+    import importlib.util
+
+    rows, packages = _PEERS[BACKEND]
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (the bench extra: benchmarks/README.md)")
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(BENCHMARKS))
+    completed = subprocess.run([sys.executable, "-c", _PEER_CHECKS, *rows], env=environment,
+                               capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert [f"{r['recipe']}:{r['model'][:3]}" for r in results] == list(rows)
+    for result in results:
+        assert result["ok"] and result["relative_difference"] < 1e-4, result
+        assert result["largest_entry"] > 1e-3, result  # the step moved the weights
+        assert result.get("fast_clipping", True), result  # TF Privacy: every layer registered

@@ -369,17 +369,27 @@ RULES = {
     "clip": lambda sampler: aggregators.clip(0.5),
 }
 
-def train(rule, strategy, max_batch_size=7):
+class Recording(privacy.PoissonSampler):
+    def __getitem__(self, index):  # the rows of every batch served
+        batch = super().__getitem__(index)
+        self.rows.add(len(batch[2]))
+        return batch
+
+def train(rule, strategy, max_batch_size=7, steps_per_execution=1, budget=None):
     with strategy.scope() if strategy else contextlib.nullcontext():
         problem = problems.dense_mlp(batch=16)
-        sampler = privacy.PoissonSampler(problem.x, problem.y, sampling_rate=RATE, seed=0,
-                                         sample_weight=problem.sample_weight,
-                                         max_batch_size=max_batch_size)
+        # buckets of 2 rows (rounded up to a multiple of the replicas), at most 7 (8) rows
+        sampler = Recording(problem.x, problem.y, sampling_rate=RATE, seed=0,
+                            sample_weight=problem.sample_weight,
+                            max_batch_size=max_batch_size, bucket_width=2)
+        sampler.rows = set()
         aggregator = RULES[rule](sampler)
         model = pergrad.PerExampleModel(problem.model, aggregator)
-        model.compile(optimizer="sgd", loss=problem.loss)
+        model.compile(optimizer="sgd", loss=problem.loss, steps_per_execution=steps_per_execution)
     private = rule.startswith("dp")
-    callbacks = [privacy.PrivacyAccountant(1.0, RATE, DELTA)] if rule == "dp_noise_1" else None
+    callbacks = None
+    if rule == "dp_noise_1":
+        callbacks = [privacy.PrivacyAccountant(1.0, RATE, DELTA, max_epsilon=budget)]
     before = problem.model.get_weights()
     try:
         history = model.fit(sampler, epochs=2, verbose=0, callbacks=callbacks)
@@ -390,6 +400,7 @@ def train(rule, strategy, max_batch_size=7):
         "logs": history.history,
         "steps": int(keras.ops.convert_to_numpy(aggregator.step_count)) if private else None,
         "batch_size": sampler.batch_size,  # back to max_batch_size after fit
+        "rows": sorted(sampler.rows),
         "sizes": [len(sampler.indices_for_step(t)) for t in range(STEPS)],
     }
 
@@ -399,10 +410,11 @@ def difference(a, b):
 two = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 four = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)],
                                       cross_device_ops=tf.distribute.ReductionToOneDevice())
-report, alone_weights = {"several": {}, "epsilon": {}}, {}
+report, alone_weights = {"several": {}, "epsilon": {}, "rows": {}}, {}
 for rule in ("dp_noise_0", "dp_noise_1"):
     alone = train(rule, None)
     alone_weights[rule] = alone["weights"]
+    report["rows"][f"{rule}/1"] = alone["rows"]
     report["sizes"], report["steps"] = alone["sizes"], alone["steps"]
     report["epsilon"][f"{rule}/1"] = alone["logs"].get("epsilon")
     report[f"moved/{rule}"] = difference(alone["weights"], problems.dense_mlp(batch=16).model.get_weights())
@@ -410,14 +422,18 @@ for rule in ("dp_noise_0", "dp_noise_1"):
         run = train(rule, strategy)
         report["several"][f"{rule}/{replicas}"] = [
             difference(run["weights"], alone["weights"]), run["steps"], run["batch_size"]]
+        report["rows"][f"{rule}/{replicas}"] = run["rows"]
         report["epsilon"][f"{rule}/{replicas}"] = run["logs"].get("epsilon")
 report["noise"] = difference(alone_weights["dp_noise_1"], alone_weights["dp_noise_0"])
 
 # Rules that count the padding: a size that divides trains as one device, another is refused.
 alone, run = train("clip", None, 8), train("clip", two, 8)
 report["several"]["clip/2"] = [difference(run["weights"], alone["weights"]), None, run["batch_size"]]
+report["rows"]["clip/2"] = run["rows"]
 report["clip_logs"] = max(abs(alone["logs"][k][-1] - run["logs"][k][-1]) for k in alone["logs"])
 report["refused"] = train("mean", two)
+# A budget cannot be enforced inside a group of steps on replicas: refused before any step.
+report["grouped_budget"] = train("dp_noise_1", two, steps_per_execution=2, budget=10.0)
 
 # Plain batches: the last one (1 example) leaves replica 1 an empty shard.
 def plain(strategy):
@@ -439,8 +455,9 @@ def test_tensorflow_mirrored_strategy_poisson_sampling():
     # Before: fit() refused a PoissonSampler on several replicas, and a DP step whose
     # batch left a replica an empty shard gave NaN weights (noise / 0 times 0). Now
     # the sampler's one Poisson sample is split over 2 (and 4) replicas, its batches
-    # padded from 7 to 8 rows (dp_gaussian ignores padding): the weights, the step
-    # count and epsilon are those of one device, draws of 0 examples included.
+    # padded to buckets of 2 rows rounded up to a multiple of the replicas, at most 8
+    # (dp_gaussian ignores padding): the weights, the step count and epsilon are
+    # those of one device, draws of 0 examples included.
     from pergrad import privacy
 
     report = _run(_TF_POISSON, "tensorflow")
@@ -453,6 +470,12 @@ def test_tensorflow_mirrored_strategy_poisson_sampling():
         assert steps == (14 if key.startswith("dp") else None), (key, steps)
         assert batch_size == (8 if key.startswith("clip") else 7), (key, batch_size)
     assert report["clip_logs"] <= 1e-5, report["clip_logs"]
+    rows = report["rows"]  # buckets where the rule ignores padding, else max_batch_size rows
+    assert len(rows["dp_noise_0/1"]) >= 3 and set(rows["dp_noise_0/1"]) <= {2, 4, 6, 7}, rows
+    for replicas in (2, 4):
+        seen = rows.get(f"dp_noise_1/{replicas}", [])
+        assert len(seen) >= 2 and all(r % replicas == 0 and r <= 8 for r in seen), rows
+    assert rows["clip/2"] == [8], rows
     # The accountant counts each step once, at the global rate q.
     expected = [privacy.epsilon(1.0, 0.15, steps, 1e-5) for steps in (7, 14)]
     for key, epsilons in report["epsilon"].items():
@@ -461,6 +484,8 @@ def test_tensorflow_mirrored_strategy_poisson_sampling():
     assert "max_batch_size=8" in report["refused"]["refused"], report["refused"]
     assert report["refused"]["unchanged"] == 0.0
     assert report["empty_shard"] <= 1e-5, report["empty_shard"]
+    assert "steps_per_execution=2" in report["grouped_budget"]["refused"], report["grouped_budget"]
+    assert report["grouped_budget"]["unchanged"] == 0.0
 
 
 _MIXED_PRECISION = """

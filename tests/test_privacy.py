@@ -117,9 +117,9 @@ def test_poisson_sampler_includes_each_example_with_probability_q():
     counts, batch_sizes = np.zeros(size), []
     for step in range(draws):
         batch_x, batch_y, weights = sampler[step]
-        assert batch_x.shape == (sampler.max_batch_size, 1)
-        assert batch_y.shape == (sampler.max_batch_size,)
         real = int(weights.sum())
+        assert batch_x.shape == (sampler.padded_size(real), 1)
+        assert batch_y.shape == (sampler.padded_size(real),)
         assert np.all(weights[:real] == 1.0) and np.all(weights[real:] == 0.0)
         rows = batch_y[:real]
         assert len(np.unique(rows)) == real  # without replacement within a step
@@ -156,10 +156,55 @@ def test_poisson_sampler_keeps_nested_inputs_and_user_sample_weights():
         x, np.arange(size), sample_weight=weights, sampling_rate=0.2, max_batch_size=30, seed=5
     )
     batch_x, batch_y, batch_weights = sampler[0]
-    assert batch_x["a"].shape == (30, 1) and batch_x["b"].shape == (30, 2, 2)
     real = np.count_nonzero(batch_weights)
+    rows = sampler.padded_size(real)
+    assert batch_x["a"].shape == (rows, 1) and batch_x["b"].shape == (rows, 2, 2)
     np.testing.assert_allclose(batch_weights[:real], weights[batch_y[:real]])
     assert len(sampler) == 5  # round(1 / q) steps per epoch by default
+
+
+def test_poisson_batches_are_padded_to_a_few_bucket_sizes_near_the_drawn_size():
+    """At an expected batch of 64 (the demo's digits: 1437 examples), padding is
+    <= 10% of the real rows (it was 91% when every batch had max_batch_size rows)."""
+    size, expected = 1437, 64
+    sampler = PoissonSampler(np.zeros((size, 1), "float32"), np.zeros(size), sampling_rate=expected / size,
+                             seed=0)
+    assert sampler.bucket_width == 8 == privacy.default_bucket_width(size, expected / size)
+    real = np.array([len(sampler.indices_for_step(t)) for t in range(2000)])
+    padded = np.array([sampler.padded_size(k) for k in real])
+    assert np.all(padded >= real) and np.all(padded - real < sampler.bucket_width)
+    assert (padded - real).sum() / real.sum() <= 0.10
+    # A bounded set of shapes, a handful of them met; every padded size is one of them.
+    assert set(padded) <= set(sampler.padded_sizes)
+    assert len(sampler.padded_sizes) == math.ceil(sampler.max_batch_size / sampler.bucket_width)
+    assert len(set(padded)) <= 10
+    assert sampler.padded_size(0) == 8
+    assert sampler.padded_size(sampler.max_batch_size) == sampler.max_batch_size
+    # bucket_width >= max_batch_size: one shape whatever the draw.
+    fixed = PoissonSampler(np.zeros((size, 1), "float32"), np.zeros(size), sampling_rate=expected / size,
+                           bucket_width=size)
+    assert fixed.padded_sizes == [fixed.max_batch_size]
+    with pytest.raises(ValueError, match="bucket_width"):
+        PoissonSampler(np.zeros((size, 1)), np.zeros(size), sampling_rate=0.1, bucket_width=0)
+
+
+def test_bucket_sizes_divide_over_the_devices_and_rules_that_count_padding_get_one_shape(monkeypatch):
+    from pergrad.privacy import sampling
+
+    x = np.zeros((200, 1), "float32")
+    sampler = PoissonSampler(x, np.zeros(200), sampling_rate=0.1, max_batch_size=41, bucket_width=8)
+    dp = pergrad.PerExampleModel(small_model(), dp_gaussian(1.0, 1.0, expected_batch_size=20.0))
+    monkeypatch.setattr(sampling, "batch_shards", lambda model: 3)
+    with sampler.split_for(dp):  # widths of 9 (8 rounded up to 3 devices), at most 42 rows
+        assert sampler.padded_sizes == [9, 18, 27, 36, 42]
+        assert sampler.padded_size(0) == 9 and sampler.padded_size(19) == 27
+    with pytest.raises(ValueError, match="max_batch_size=42"):
+        with sampler.split_for(pergrad.PerExampleModel(small_model(), "mean")):
+            pass
+    monkeypatch.setattr(sampling, "batch_shards", lambda model: 1)
+    with sampler.split_for(pergrad.PerExampleModel(small_model(), "mean")):
+        assert sampler.padded_sizes == [41]  # mean divides by the rows: always max_batch_size
+    assert sampler.padded_sizes == [8, 16, 24, 32, 40, 41]  # outside a fit
 
 
 def test_overflowing_the_batch_size_raises_instead_of_truncating():
@@ -288,8 +333,11 @@ def test_dp_sgd_fit_logs_epsilon_saves_resumes_and_stops_at_the_budget(tmp_path)
     expected = [privacy.epsilon(noise_multiplier, rate, steps, delta) for steps in (5, 10)]
     np.testing.assert_allclose(history.history["epsilon"], expected, rtol=1e-9)
     assert set(history.history) >= {"loss", "epsilon", "clipped_fraction", "gradient_norm"}
+    # JAX traces the step once per bucket size met; TF once (its data has no static batch size).
+    shapes = {sampler.padded_size(len(sampler.indices_for_step(t))) for t in range(10)}
+    assert len(shapes) >= 2, shapes  # draws of 4 to 20 rows, buckets of 8
     if BACKEND in ("jax", "tensorflow"):
-        assert model.traces == 1  # fixed shapes: traced once for all ten steps
+        assert model.traces == (len(shapes) if BACKEND == "jax" else 1), (model.traces, shapes)
 
     # Saving keeps the aggregator and its step count; with an explicit (insecure) seed
     # the noise is a function of (seed, step), so the loaded model continues it.
@@ -314,6 +362,49 @@ def test_dp_sgd_fit_logs_epsilon_saves_resumes_and_stops_at_the_budget(tmp_path)
     assert len(history.history["epsilon"]) == 1  # stopped inside the first epoch
     with pytest.raises(PrivacyBudgetExhaustedError):
         model.fit(sampler, epochs=1, verbose=0, callbacks=[limited])
+
+
+class RecordingSampler(PoissonSampler):
+    """Records the rows of every batch it serves."""
+
+    def __getitem__(self, index):
+        batch = super().__getitem__(index)
+        self.__dict__.setdefault("rows", []).append(len(batch[2]))
+        return batch
+
+
+@pytest.mark.parametrize("rule", ["dp", "clip"])
+def test_bucketed_batches_train_exactly_like_batches_of_max_batch_size(rule):
+    """The padding changes nothing: the weights after a fit on buckets are those after
+    a fit on one shape (``bucket_width=len(x)``), draws and noise alike (same seeds);
+    a rule that counts the padding rows (``clip``) gets ``max_batch_size`` rows."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(80, 4)).astype("float32")
+    y = (x @ rng.normal(size=(4, 1)) + rng.normal(size=(80, 1))).astype("float32")
+
+    def fit(bucket_width):
+        sampler = RecordingSampler(x, y, sampling_rate=0.2, seed=4, bucket_width=bucket_width)
+        keras.utils.set_random_seed(0)
+        inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        aggregator = (dp_gaussian(0.5, 1.0, expected_batch_size=sampler.expected_batch_size, seed=5)
+                      if rule == "dp" else pergrad.aggregators.clip(0.5))
+        model = pergrad.PerExampleModel(inner, aggregator)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(sampler, epochs=1, verbose=0)
+        return inner.get_weights(), sampler
+
+    buckets, sampler = fit(None)
+    one_shape, fixed = fit(len(x))
+    for a, b in zip(buckets, one_shape):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    trained = sampler.rows[-len(sampler):]  # the batches of the 5 steps (after those Keras peeks at)
+    assert set(fixed.rows) == {fixed.max_batch_size}
+    if rule == "dp":
+        assert max(trained) < sampler.max_batch_size and set(trained) <= set(sampler.padded_sizes)
+        assert sum(trained) < 0.5 * len(trained) * sampler.max_batch_size
+    else:
+        assert set(sampler.rows) == {sampler.max_batch_size}
 
 
 def test_accountant_refuses_a_noise_multiplier_the_model_does_not_use():

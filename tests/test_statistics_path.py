@@ -338,3 +338,42 @@ def test_mixed_precision_with_loss_scaling_trains_as_on_the_materialized_path(ru
         values = [ops.convert_to_numpy(getattr(m.optimizer, attribute)) for m in results]
         np.testing.assert_array_equal(*values, err_msg=attribute)
     oracle.assert_weights_close(results[1].model, results[0].model, atol=2e-3, rtol=2e-3)
+
+
+class BuiltPositions(layers.Layer):
+    """Adds a position embedding read with ids made in ``build()`` (as keras-hub's ViT
+    does): outside any trace, so on TensorFlow they are an eager tensor."""
+
+    def build(self, shape):
+        self.embedding = layers.Embedding(shape[1], shape[2])
+        self.embedding.build((1, shape[1]))
+        self.ids = ops.expand_dims(ops.arange(shape[1]), 0)
+
+    def call(self, x):
+        return x + self.embedding(self.ids)
+
+
+class Scale(layers.Layer):
+    """A layer with a weight and no rule: its call is vectorized (the fallback)."""
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.scale
+
+
+def test_inputs_made_in_build_on_the_vectorized_forward_pass():
+    """The vectorized forward pass captures the ids made in ``build()``: TensorFlow's pfor
+    raised "Tensor.op is undefined when eager execution is enabled" for them."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3, 4))
+    hidden = BuiltPositions()(Scale()(layers.Dense(4)(inputs)))
+    model = keras.Model(inputs, layers.Dense(2)(layers.Flatten()(hidden)))
+    model.compile(loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(5, 3, 4)).astype("float32"), rng.normal(size=(5, 2)).astype("float32")
+    expected = ExampleStatistics.from_gradients(oracle.batch_of_one_gradients(model, x, y))
+    stats = pergrad.per_example_statistics(model, x, y)
+    np.testing.assert_allclose(ops.convert_to_numpy(stats.squared_norms),
+                               ops.convert_to_numpy(expected.squared_norms), rtol=1e-5, atol=1e-6)

@@ -63,4 +63,6 @@ def test_only_the_backend_adapters_import_a_backend():
         for path in SOURCE.rglob("*.py")
         if pattern.search(path.read_text())
     )
-    assert importing == ["backend/jax.py", "backend/tensorflow.py", "backend/torch.py"]
+    assert importing == [
+        "backend/_tensorflow_onednn.py", "backend/jax.py", "backend/tensorflow.py", "backend/torch.py"
+    ]

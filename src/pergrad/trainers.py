@@ -13,12 +13,46 @@ from __future__ import annotations
 import keras
 from keras import ops, tree
 
-from pergrad import compat
+from pergrad import compat, replicas
 from pergrad.backend import adapter
 
 
-class StatelessTrainStep:
+class _StepLimit:
+    def _update_allowed(self):
+        """The rule's ``update_allowed()``, read before the step counts itself, where Keras runs
+        several steps without calling back (``steps_per_execution > 1``; between single
+        steps ``PrivacyAccountant`` stops training itself); ``None`` otherwise."""
+        # Not on several TF replicas: the optimizer's all-reduce cannot run in a `cond`
+        # (PrivacyAccountant refuses a budget with steps_per_execution > 1 there).
+        if getattr(self, "steps_per_execution", 1) <= 1 or replicas.count(self) > 1:
+            return None
+        return self.aggregator.update_allowed()
+
+
+class StatelessTrainStep(_StepLimit):
     """JAX: ``train_step(state, data)`` over the state's arrays."""
+
+    def make_train_function(self, force=False):
+        # fit() calls this once it has built the optimizer, before it empties the variables.
+        self.__dict__["_held_values"] = compat.held_values(
+            self.trainable_variables + self.non_trainable_variables
+            + list(self.optimizer.variables) + self.metrics_variables
+        )
+        return super().make_train_function(force)
+
+    def fit(self, *args, **kwargs):
+        # Keras's JAX fit() empties the variables while its steps run and puts the latest
+        # state back at the end; when the first step fails (a refusal, raised while the
+        # step is traced) there is none, and the model could no longer predict. The
+        # variables get back the arrays they held (the same buffers as the steps' state:
+        # no extra memory; a step that ran consumed them).
+        try:
+            return super().fit(*args, **kwargs)
+        except BaseException:
+            compat.refill_emptied(self.__dict__.get("_held_values", ()))
+            raise
+        finally:
+            self.__dict__.pop("_held_values", None)
 
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_variables, metrics_variables = state
@@ -34,6 +68,7 @@ class StatelessTrainStep:
         # The optimizer's too: a LossScaleOptimizer's scale is read from its state.
         mapping += list(zip(self.optimizer.variables, optimizer_variables))
         with keras.StatelessScope(state_mapping=mapping) as scope:
+            allowed = self._update_allowed()
             grads, y_pred, seeds = self._aggregated_gradients(
                 trainable, [non_trainable[i] for i in inner], x, y, sample_weight
             )
@@ -53,9 +88,11 @@ class StatelessTrainStep:
             sample_weight=sample_weight,
             training=True,
         )
-        trainable, optimizer_variables = self.optimizer.stateless_apply(
-            optimizer_variables, grads, trainable
-        )
+        updated = self.optimizer.stateless_apply(optimizer_variables, grads, trainable)
+        if allowed is not None:  # a refused step leaves the weights and the optimizer as they were
+            updated = tree.map_structure(lambda new, old: ops.where(allowed, new, old), updated,
+                                         (trainable, optimizer_variables))
+        trainable, optimizer_variables = updated
         logs, metrics_variables = compat.update_metrics_variables(
             self, metrics_variables, loss, x, y, y_pred, sample_weight
         )
@@ -67,7 +104,7 @@ class StatelessTrainStep:
         return [ids[id(v)] for v in self.model.non_trainable_variables]
 
 
-class StatefulTrainStep:
+class StatefulTrainStep(_StepLimit):
     """TensorFlow and torch: ``train_step(data)`` that assigns the variables."""
 
     def train_step(self, data):
@@ -75,6 +112,7 @@ class StatefulTrainStep:
         self._check_single_replica()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x = self._check_batch(x, y)
+        allowed = self._update_allowed()
         variables = self.model.non_trainable_variables
         grads, y_pred, seeds = self._aggregated_gradients(
             [v.value for v in self.model.trainable_variables],
@@ -95,10 +133,23 @@ class StatefulTrainStep:
         )
         compat.loss_tracker(self).update_state(loss, sample_weight=ops.shape(tree.flatten(x)[0])[0])
         with adapter().no_grad(after=x):  # after the batch check (TF graphs)
-            self.optimizer.apply(grads, self.model.trainable_variables)
+            self._apply(grads, allowed)
         if reports is not None:
             self._keep_reports(reports)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _apply(self, grads, allowed):
+        variables = self.model.trainable_variables
+        if allowed is None:
+            self.optimizer.apply(grads, variables)
+            return
+        if not self.optimizer.built:  # (TF: no variable may be created inside the cond)
+            self.optimizer.build(variables)
+
+        def apply():
+            self.optimizer.apply(grads, variables)
+
+        ops.cond(allowed, apply, lambda: None)
 
 
 def for_backend(name: str) -> type:

@@ -19,8 +19,9 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
   size); returns ``guarded`` made to depend on it.
 - ``no_grad(after)``: the context of the optimizer's update (no autograd on
   torch; on TF its ops run after the tensors ``after``).
-- ``warn_known_problems(layers)``: a warning for layers the backend is known to
-  break in the vectorized pass (TensorFlow's oneDNN and attention).
+- ``check_known_problems(layers)``: raises, before anything runs, for layers the
+  backend is known to break in the vectorized pass (TensorFlow's oneDNN matmul,
+  where pergrad's pfor conversions that avoid it are missing).
 - ``compile(fn)``: ``fn`` (pure in its tensor arguments) compiled once per input
   signature: ``tf.function``, ``jax.jit``; on torch, eager with detached results.
 - ``scan(f, init, xs)`` (TF, JAX): ``jax.lax.scan`` in the graph, for
@@ -46,6 +47,11 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
 import importlib
 
 import keras
+
+
+class NotVectorizable(NotImplementedError):
+    """The backend's vectorizing transform cannot run this model's forward pass, on any
+    engine path (the statistics path does not hand such a model to the materialized one)."""
 
 
 def adapter():

@@ -26,7 +26,7 @@ def assert_at_least(value, minimum, message, guarded=None):
     return guarded
 
 
-def warn_known_problems(layers):
+def check_known_problems(layers):
     """No known backend problem with any layer."""
 
 

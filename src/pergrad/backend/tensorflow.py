@@ -2,10 +2,11 @@
 
 import contextlib
 import logging
-import os
 import warnings
 
 import tensorflow as tf
+
+from pergrad.backend import _tensorflow_onednn
 
 
 def _dense(grads, params):
@@ -53,6 +54,27 @@ def _quiet_pfor():
         logger.setLevel(level)
 
 
+def _in_graph(value):
+    """An eager tensor as a tensor of the graph being traced (pfor converts graph tensors
+    only: a constant made eagerly, such as position ids built in a layer's ``build()``,
+    raises "Tensor.op is undefined when eager execution is enabled")."""
+    if isinstance(value, tf.Tensor) and not tf.is_symbolic_tensor(value):
+        return tf.identity(value)
+    return value
+
+
+def _vectorized_map(fn, elems):
+    """``tf.vectorized_map`` with the matrix products converted in a form oneDNN computes
+    correctly (``pergrad.backend._tensorflow_onednn``); an output that does not depend on
+    the example is repeated for every example, as any loop-invariant output."""
+
+    def example(element):
+        return tf.nest.map_structure(_in_graph, fn(element))
+
+    with _tensorflow_onednn.converting():
+        return tf.vectorized_map(example, elems, fallback_to_while_loop=True)
+
+
 def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
     def single(example):
         with tf.GradientTape() as tape:
@@ -61,7 +83,7 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
         return _dense(tape.gradient(loss, params), params), aux
 
     def vectorized(examples):
-        return tf.vectorized_map(single, examples, fallback_to_while_loop=True)
+        return _vectorized_map(single, examples)
 
     def loop(error):
         # pfor cannot differentiate some graphs (the while loop of an RNN layer
@@ -108,24 +130,25 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
     return tf.nest.map_structure(from_chunks, out)
 
 
-def warn_known_problems(layers):
-    """Warns when the model has layers that TensorFlow's oneDNN kernels (on by default on
-    x86 CPUs) break in the vectorized per-example pass: memory corruption in attention,
-    seen as an abort (``free(): invalid pointer``) or garbage gradients with TF 2.21."""
-    import keras
+def check_known_problems(layers):
+    """Refuses, before anything runs, a vectorized pass that oneDNN could corrupt.
 
-    if os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower() in ("0", "false"):
+    TensorFlow's oneDNN matmul corrupts the heap on the products pfor makes of a
+    sequence model's kernels (``pergrad.backend._tensorflow_onednn``); pergrad's own
+    pfor conversions avoid them. Where they could not be installed (a TensorFlow
+    release that moved pfor's registry) and oneDNN is on, no model is run.
+    """
+    del layers
+    if _tensorflow_onednn.INSTALLED or not _tensorflow_onednn.enabled():
         return
-    kinds = (keras.layers.MultiHeadAttention, keras.layers.EinsumDense)
-    names = sorted({layer.name for layer in layers if isinstance(layer, kinds)})
-    if names:
-        warnings.warn(
-            f"Layer(s) {names}: TensorFlow's oneDNN kernels have been seen to corrupt memory in "
-            "the vectorized per-example pass of attention (the process aborts or the gradients "
-            "are garbage; TensorFlow 2.21, x86). Set the environment variable "
-            "TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported.",
-            stacklevel=4,
-        )
+    raise NotImplementedError(
+        f"pergrad cannot vectorize per-example passes safely with this TensorFlow "
+        f"({tf.__version__}) while its oneDNN kernels are on: TensorFlow 2.21's oneDNN matmul "
+        "corrupts memory on products the vectorized pass makes, and pergrad could not install "
+        "its pfor conversions that avoid them (tensorflow.python.ops.parallel_for.pfor has no "
+        "converter registry). Set the environment variable TF_ENABLE_ONEDNN_OPTS=0 before "
+        "TensorFlow is imported, or use the JAX or PyTorch backend."
+    )
 
 
 def no_grad(after=None):
@@ -216,7 +239,7 @@ def set_random_state(state):
 def vectorized_call(fn, batched, shared, layout_hints=True):
     del layout_hints  # torch's concern
     """``fn(example, shared)`` for every example at once (``tf.vectorized_map``)."""
-    return tf.vectorized_map(lambda example: fn(example, shared), batched, fallback_to_while_loop=True)
+    return _vectorized_map(lambda example: fn(example, shared), batched)
 
 
 def grad_with_aux(fn, params):

@@ -1,21 +1,33 @@
 """PyTorch adapter: ``torch.func.vmap(torch.func.grad(...))``."""
 
+import contextlib
+import os
+import traceback
+
+import keras
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pergrad.backend import NotVectorizable
 from pergrad.backend._single_replica import all_gather, all_reduce_sum, replica_id, unscale_loss  # noqa: F401
 
 _LAYOUT_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
 
 
-class _IgnoreMemoryLayout(torch.overrides.TorchFunctionMode):
-    """Drops memory-layout requests, which vmap cannot answer (keras#23587).
+class _VmapWorkarounds(torch.overrides.TorchFunctionMode):
+    """Answers, inside our vectorized maps, the calls ``torch.func.vmap`` cannot batch
+    with equal ones that it can. Relies on torch's public function-mode hook, not on
+    Keras internals.
 
-    Keras's torch convolutions ask ``is_contiguous(memory_format=channels_last)``
-    and copy to channels-last; inside ``torch.func.vmap`` both raise "NYI". A
-    memory layout is a performance hint that never changes a value, so inside
-    our vectorized map we answer "already contiguous" and keep the layout. This
-    relies on torch's public function-mode hook, not on Keras internals.
+    - Memory layouts (keras#23587): Keras's torch convolutions ask
+      ``is_contiguous(memory_format=channels_last)`` and copy to channels-last;
+      inside ``torch.func.vmap`` both raise "NYI". A layout is a performance hint
+      that never changes a value: we answer "already contiguous" and keep it.
+    - ``one_hot`` (a mixture-of-experts router's ``one_hot(argmax(...))``): under
+      ``vmap(grad(...))`` torch checks the indices' values (``.item()``), which
+      vmap cannot batch; a comparison with ``arange`` gives the same tensor for
+      indices in range (Keras clamps negative ones first).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -27,7 +39,83 @@ class _IgnoreMemoryLayout(torch.overrides.TorchFunctionMode):
                 kwargs.pop("memory_format")
                 if func is torch.Tensor.contiguous:
                     return args[0]
+        if func is torch.nn.functional.one_hot:
+            indices, classes = args[0], (args[1] if len(args) > 1 else kwargs.get("num_classes", -1))
+            if classes > 0:
+                classes = torch.arange(classes, device=indices.device, dtype=indices.dtype)
+                return (indices.unsqueeze(-1) == classes).to(torch.long)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _vectorizing(workarounds=True):
+    """The context of our vectorized maps: :class:`_VmapWorkarounds` (unless
+    ``workarounds`` is false), scaled dot-product attention by its math kernel, and
+    vmap's errors said as :class:`NotVectorizable` (:func:`_not_vectorizable`).
+
+    ``torch.func.vmap`` batches the math kernel's matmuls and softmax; the fused CPU
+    kernel torch picks otherwise (``_scaled_dot_product_flash_attention_for_cpu``)
+    has no batching rule, so vmap runs it example by example, forward and backward
+    ("There is a performance drop ..."). The two compute the same attention.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        if workarounds:
+            stack.enter_context(_VmapWorkarounds())
+        try:
+            yield
+        except RuntimeError as error:
+            cause = _not_vectorizable(error)
+            if cause is None:
+                raise
+            raise cause from error
+
+
+def _frames(error):
+    """The traceback frames of ``error`` and of the errors it was raised from (Keras
+    re-raises a layer's error, with the original as its context)."""
+    frames, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        frames += traceback.extract_tb(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    return frames
+
+
+def _not_vectorizable(error):
+    """The :class:`NotVectorizable` that says what in the forward pass made
+    ``torch.func.vmap`` raise ``error``, or ``None`` for another error."""
+    message = str(error)
+    if "vmap:" not in message:
+        return None
+    frames = _frames(error)
+    if any(frame.filename.endswith(os.path.join("backend", "torch", "random.py")) for frame in frames):
+        return NotVectorizable(
+            "torch.func.vmap cannot compute per-example gradients of this model: its "
+            "forward pass turns a tensor into a Python number. Keras on torch does this "
+            "for every random layer that draws from a seed (Dropout(seed=...), "
+            "GaussianNoise, GaussianDropout, ...): it builds a torch.Generator from the "
+            "seed's value. Use Dropout without a seed (keras.utils.set_random_seed seeds "
+            "it), run the pass with training=False, or use the TensorFlow or JAX backend."
+        )
+    # The innermost frame of the user's code, else of Keras's.
+    libraries = [os.path.dirname(module.__file__) for module in (torch, os, keras)]
+    libraries.append(os.path.dirname(os.path.dirname(__file__)))  # pergrad
+    user = [f for f in frames if not any(f.filename.startswith(path) for path in libraries)]
+    inner = user or [f for f in frames if f.filename.startswith(libraries[2])]
+    where = "a layer's call"
+    if inner:
+        where = f"{inner[-1].name} in {inner[-1].filename}, line {inner[-1].lineno}"
+    reason = message[message.index("vmap:"):].split(". ")[0].replace("\n", " ")
+    return NotVectorizable(
+        "torch.func.vmap cannot compute per-example gradients of this model: its forward "
+        f"pass depends on a tensor's value in a way vmap cannot batch, at {where} (a Python "
+        "`if` or number made from a tensor, an index taken from a value, or a shape that "
+        f"depends on the values; torch: \"{reason}\"). Write that step with ops whose "
+        "shapes and control flow do not depend on the values (ops.where instead of an `if` "
+        "on a tensor; a comparison with ops.arange instead of indexing by a value). A Keras "
+        "op that torch computes this way runs under the TensorFlow and JAX backends."
+    )
 
 
 def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
@@ -37,21 +125,8 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
         return single_grad(params, example, shared)
 
     vectorized = torch.func.vmap(single, randomness="different", chunk_size=microbatch_size)
-    with torch.enable_grad(), _IgnoreMemoryLayout():
-        try:
-            return vectorized(batched)
-        except RuntimeError as error:
-            if "vmap" not in str(error) or ".item()" not in str(error):
-                raise
-            raise NotImplementedError(
-                "torch.func.vmap cannot compute per-example gradients of this model: its "
-                "forward pass turns a tensor into a Python number. Keras on torch does "
-                "this for every random layer that draws from a seed "
-                "(Dropout(seed=...), GaussianNoise, GaussianDropout, ...): it builds a "
-                "torch.Generator from the seed's value. Use Dropout without a seed "
-                "(keras.utils.set_random_seed seeds it), run the pass with "
-                "training=False, or use the TensorFlow or JAX backend."
-            ) from error
+    with torch.enable_grad(), _vectorizing():
+        return vectorized(batched)
 
 
 def assert_at_least(value, minimum, message, guarded=None):
@@ -62,7 +137,7 @@ def assert_at_least(value, minimum, message, guarded=None):
     return guarded
 
 
-def warn_known_problems(layers):
+def check_known_problems(layers):
     """No known backend problem with any layer."""
 
 
@@ -123,12 +198,11 @@ def vectorized_call(fn, batched, shared, layout_hints=True):
     """``fn(example, shared)`` for every example at once (``torch.func.vmap``).
 
     ``layout_hints=False`` (no convolution in the model) skips the function mode
-    that answers memory-layout requests: it costs a Python call per torch call.
+    that answers memory-layout requests (``_VmapWorkarounds``): it costs a Python
+    call per torch call, and without ``grad`` inside the map ``one_hot`` batches.
     """
     vectorized = torch.func.vmap(lambda example: fn(example, shared), randomness="different")
-    if not layout_hints:
-        return vectorized(batched)
-    with _IgnoreMemoryLayout():
+    with _vectorizing(workarounds=layout_hints):
         return vectorized(batched)
 
 

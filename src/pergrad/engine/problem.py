@@ -11,6 +11,7 @@ pass run inside a ``keras.StatelessScope``, never by a Python loop over examples
 from __future__ import annotations
 
 import copy
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -98,6 +99,33 @@ def _check_per_example_function(loss, y_true, y_pred):
         )
 
 
+def _refuse_data_losses(scope) -> None:
+    """Refuses the losses a forward pass added in ``scope`` (they are not per example)."""
+    if scope.losses:
+        raise NotImplementedError(
+            "The model adds losses that depend on the data during its forward pass "
+            "(`add_loss` in `call` or an `activity_regularizer`); they are not "
+            "defined per example, so pergrad does not support them yet. Weight "
+            "regularizers are supported."
+        )
+
+
+def _masks(y_pred) -> list:
+    """``[]`` or the mask of the one output (several masked outputs are refused)."""
+    # Not `getattr(out, "_keras_mask")`: JAX arrays cannot carry attributes, so Keras
+    # keeps their masks in a side table that only `get_keras_mask` (compat.get_mask) reads.
+    masks = [compat.get_mask(out) for out in tree.flatten(y_pred)]
+    if not any(m is not None for m in masks):
+        return []
+    if len(masks) > 1:
+        raise NotImplementedError(
+            "Masked outputs are supported for single-output models only: with "
+            "several outputs Keras normalizes each output's loss by its own "
+            "count of unmasked steps, which is not known per example."
+        )
+    return masks
+
+
 def batch_normalization_layers(model) -> list:
     """Layers that mix examples in the forward pass when training."""
     return [
@@ -123,7 +151,7 @@ def check_model(model, training: bool = True) -> None:
             f"Model {model.name!r} has no trainable variables, so it has no "
             "per-example gradients."
         )
-    adapter().warn_known_problems(compat.flatten_layers(model, include_self=False))
+    adapter().check_known_problems(compat.flatten_layers(model, include_self=False))
     if training:
         mixing = batch_normalization_layers(model)
         if mixing:
@@ -243,17 +271,8 @@ class PerExampleProblem:
         batch its value is ``mean_i L_i``. ``masks`` is empty or the one output's mask.
         """
         y_pred, scope = self._forward(trainable_values, non_trainable, x, collect_losses=True)
-        if scope.losses:
-            raise NotImplementedError(
-                "The model adds losses that depend on the data during its forward pass "
-                "(`add_loss` in `call` or an `activity_regularizer`); they are not "
-                "defined per example, so pergrad does not support them yet. Weight "
-                "regularizers are supported."
-            )
-        # Not `getattr(out, "_keras_mask")`: JAX arrays cannot carry attributes, so
-        # Keras keeps their masks in a side table that only
-        # `get_keras_mask` (compat.get_mask) reads.
-        masks = [compat.get_mask(out) for out in tree.flatten(y_pred)]
+        _refuse_data_losses(scope)
+        masks = _masks(y_pred)
         # The scope swallows the loss container's metric updates (per-output loss
         # trackers); it must also give them values to read: Keras's JAX fit()
         # empties every variable it carries in its state.
@@ -264,23 +283,28 @@ class PerExampleProblem:
             # Under a TF strategy with R replicas Keras's mean reductions carry 1 / R
             # (the optimizer sums the replicas): L_i is the single-device loss.
             loss = adapter().unscale_loss(loss)
-        if any(m is not None for m in masks):
-            if len(masks) > 1:
-                raise NotImplementedError(
-                    "Masked outputs are supported for single-output models only: with "
-                    "several outputs Keras normalizes each output's loss by its own "
-                    "count of unmasked steps, which is not known per example."
-                )
-            return loss, y_pred, masks, scope
-        return loss, y_pred, [], scope
+        return loss, y_pred, masks, scope
 
     def _check_once(self, x, y):
-        """Eager checks that need a forward pass on one example."""
+        """The checks that need a forward pass, on the batch's first example, before any
+        vectorized pass: what pergrad refuses is refused here, on every engine path."""
         if self._checked:
             return
         # Tensors, as Keras gives a loss: a NumPy target minus a torch tensor fails.
         first = _map(lambda t: ops.convert_to_tensor(t)[:1], x)
-        y_pred = self.model(first, training=False)
+        # In training mode, as the per-example pass runs, in a scope of its own: nothing
+        # the pass assigns (seed states) is kept, and torch's global generator, which
+        # unseeded dropout draws from, is left where it was. The variables' current
+        # values (inside Keras's JAX train step, those of its state).
+        values = [(v, v.value) for v in self.model.variables]
+        random_state = adapter().random_state()
+        try:
+            with keras.StatelessScope(state_mapping=values, collect_losses=True) as scope:
+                y_pred = self.model(first, training=self.training)
+        finally:
+            adapter().set_random_state(random_state)
+        _refuse_data_losses(scope)
+        _masks(y_pred)
         y_first = _map(lambda t: ops.convert_to_tensor(t)[:1], y)
         flat_pred = tree.flatten(y_pred)
         flat_true = tree.flatten(y_first) if y_first is not None else []
@@ -430,15 +454,26 @@ def _loss_key(loss):
     return _nest_map(lambda item: item if isinstance(item, str) or item is None else id(item), loss)
 
 
+_CACHE_LOCK = threading.RLock()
+
+
 def _bounded_get(cache: OrderedDict, key, make):
-    """``cache[key]``, made by ``make()`` if absent; the least recently used entry goes."""
-    if key in cache:
+    """``cache[key]``, made by ``make()`` if absent; the least recently used entry goes.
+
+    Under a lock: ``fit`` may run in several threads (tf.distribute's replicas, or
+    the user's), and an OrderedDict's move and eviction are not atomic.
+    """
+    with _CACHE_LOCK:
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+    value = make()  # (outside the lock: it may trace or compile)
+    with _CACHE_LOCK:
+        value = cache.setdefault(key, value)
         cache.move_to_end(key)
-    else:
-        cache[key] = make()
         while len(cache) > _CACHE_SIZE:
             cache.popitem(last=False)
-    return cache[key]
+    return value
 
 
 def _problem(model, loss, training) -> PerExampleProblem:

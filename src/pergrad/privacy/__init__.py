@@ -37,6 +37,7 @@ from pergrad.privacy.dp_sgd import (
 from pergrad.privacy.sampling import (
     BatchOverflowError,
     PoissonSampler,
+    default_bucket_width,
     max_batch_size_for,
 )
 from pergrad.privacy.validation import (
@@ -56,6 +57,7 @@ __all__ = [
     "PrivacyAccountant",
     "PrivacyBudgetExhaustedError",
     "check_dp_fit",
+    "default_bucket_width",
     "dp_gaussian",
     "dp_sgd_event",
     "epsilon",

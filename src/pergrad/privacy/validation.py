@@ -155,7 +155,7 @@ def check_dp_fit(model, x=None, callbacks=None) -> None:
     expected = aggregator.expected_batch_size
     if expected is None:
         raise ValueError(
-            "A PoissonSampler pads its batches to max_batch_size, so the DP aggregator "
+            "A PoissonSampler pads its batches with zero-weight rows, so the DP aggregator "
             "needs the expected batch size as its denominator: "
             f"dp_gaussian(..., expected_batch_size={x.expected_batch_size:g})."
         )
