@@ -18,7 +18,8 @@ from keras import ops
 import pergrad
 from pergrad import privacy
 from pergrad.aggregators import bucketing, chain, clip
-from pergrad.privacy import PoissonSampler, PrivacyAccountant, PrivacyBudgetExhaustedError, dp_gaussian
+from pergrad.backend import adapter
+from pergrad.privacy import PoissonSampler, PrivacyAccountant, PrivacyBudgetExhaustedError, dp_gaussian, noise
 
 BACKEND = keras.backend.backend()
 SIZE, RATE, NOISE, DELTA, LR = 20, 0.25, 1.0, 1e-5, 0.1
@@ -213,6 +214,26 @@ def test_noise_ignores_the_global_seed():
     seeded = noise_of(dp_gaussian(1.0, 1.0, seed=3))
     keras.utils.set_random_seed(2)
     np.testing.assert_array_equal(seeded, noise_of(dp_gaussian(1.0, 1.0, seed=3)))
+
+
+def test_every_key_bit_changes_the_noise_on_every_backend():
+    """At least 128 bits key each draw, torch included (whose own generators take a 32- or
+    64-bit seed): flipping any one of the key's bits (in ``noise_key``; the hidden half is
+    XORed with it bit for bit) changes every one of a step's noise values."""
+    rule = dp_gaussian(1.0, 1.0)
+    rule.build()
+    words = np.asarray(ops.convert_to_numpy(rule.noise_key))
+    assert words.size * 32 >= 256
+    draw = adapter().compile(lambda key: noise.gaussian_noise(key, 3, 16, 1.0))  # the rule's draw, jitted
+    base = np.asarray(ops.convert_to_numpy(draw(rule._key())))
+    # (jitted and eager XLA may round a logarithm differently in the last bit)
+    np.testing.assert_allclose(base, ops.convert_to_numpy(rule.standard_normal(16, 3)), rtol=1e-6)
+    for bit in range(words.size * 32):
+        flipped = words.view(np.uint32).copy()
+        flipped[bit // 32] ^= np.uint32(1 << (bit % 32))
+        rule.noise_key.assign(flipped.view(np.int32))
+        changed = np.asarray(ops.convert_to_numpy(draw(rule._key()))) != base
+        assert changed.all(), bit
 
 
 def test_saved_models_hold_no_key_and_restoring_does_not_replay_the_noise(tmp_path):

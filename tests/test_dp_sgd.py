@@ -12,7 +12,6 @@ from keras import ops
 import pergrad
 from pergrad.aggregators.base import zero_non_finite_examples
 from pergrad.privacy import DPGaussian, PoissonSampler, dp_gaussian
-from pergrad.privacy.dp_sgd import normal_from_words
 
 SHAPES = [(3, 4), (5,), (2, 1, 3)]
 # One batch size and few shapes throughout: eager JAX compiles every new shape.
@@ -147,18 +146,6 @@ def test_noise_standard_deviation_is_noise_multiplier_times_clip_over_batch_size
     assert abs(result.mean()) < 5 * std / math.sqrt(result.size)
 
 
-def test_the_noise_support_reaches_eight_standard_deviations():
-    """The extreme words give radius sqrt(96 ln 2): the support of the sampled noise, beyond
-    which the privacy loss would be infinite (a float32 erfinv sampler stops at 5.4)."""
-    top = 2**24 - 1
-    words = np.array([[0, 0, 0], [top, top, 0]], "int32").T  # columns (high, low, angle)
-    values = ops.convert_to_numpy(normal_from_words(ops.convert_to_tensor(words)))
-    # [r0 cos a0, r1 cos a1, r0 sin a0, r1 sin a1]: u = 2^-48 gives the largest radius, u = 1 radius 0
-    assert np.hypot(values[0], values[2]) == pytest.approx(math.sqrt(96 * math.log(2)), rel=1e-5)
-    assert values[0] == pytest.approx(math.sqrt(96 * math.log(2)), rel=1e-5)  # angle ~0
-    assert np.hypot(values[1], values[3]) < 1e-3
-
-
 def test_every_call_draws_fresh_noise():
     aggregator = dp_gaussian(1.0, 1.0, seed=6)
     gradients = [np.zeros(NOISE_SHAPE, "float32")]
@@ -266,3 +253,29 @@ def test_fit_adds_fresh_noise_of_the_right_scale_at_every_step():
         assert abs(update.std() - std) < 0.1 * std
     for a, b in [(0, 1), (0, 2), (1, 2)]:
         assert abs(np.corrcoef(updates[a], updates[b])[0, 1]) < 0.1
+
+
+@pytest.mark.parametrize("path", ["statistics", "materialized"])
+def test_a_non_finite_example_adds_nothing_to_a_convolution(path):
+    """A NaN example in a noise-free DP step of a convolution equals the batch with that
+    example's weight 0, on both paths. On the statistics path the convolution's per-example
+    gradients are materialized for the norms and serve the weighted sum, zeroed with A and D."""
+    import problems
+
+    updates = []
+    for poison in (False, True):
+        problem = problems.conv2d(batch=5)
+        x, weights = problem.x.copy(), np.ones(5, "float32")
+        if poison:
+            x[2, 1, 1, 0] = np.nan
+        else:
+            weights[2] = 0.0
+        rule = dp_gaussian(1.0, 0.0, expected_batch_size=4.0)
+        model = pergrad.PerExampleModel(problem.model, rule, path=path)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=problem.loss)
+        before = [np.array(w) for w in model.model.get_weights()]
+        model.train_on_batch(x, problem.y, sample_weight=weights)
+        updates.append([w - b for w, b in zip(model.model.get_weights(), before)])
+    for poisoned, clean in zip(updates[1], updates[0]):
+        assert np.all(np.isfinite(poisoned)) and np.any(clean != 0)
+        np.testing.assert_allclose(poisoned, clean, rtol=1e-5, atol=1e-7)

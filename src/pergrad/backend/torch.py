@@ -5,6 +5,7 @@ import os
 import traceback
 
 import keras
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -226,3 +227,33 @@ def replicas(model=None):
     if distributed.is_available() and distributed.is_initialized():
         return int(distributed.get_world_size())
     return 1
+
+
+def noise_words(key, step, count, chunk=1 << 16):
+    """DP noise's random words (``pergrad.privacy.noise``), ``chunk`` coordinates at a time:
+    yields ``(4, n)`` int32 NumPy arrays (bit patterns: torch has no unsigned 32-bit
+    shifts), ``n <= chunk``, for consecutive coordinates; they do not depend on ``chunk``.
+    Chunks small enough for the cache leave the process's heap alone (a whole draw's
+    arrays make glibc map and unmap fresh pages at every step).
+
+    Eager torch has no compiler to fuse the ~200 integer ops of a counter-based block
+    function per value (XLA does it for JAX and TensorFlow), and its own CPU generator
+    (MT19937) is linear: outputs reveal its state. NumPy's Philox-4x64-10 (Salmon et al.,
+    2011; 128-bit key, C code) is the fast keyed choice here. ``key`` holds 8 int32 words
+    ``(K_a, K_b)``; step ``step`` draws under its own key ``F_{K_a}(step, 0, 0, 1) xor K_b``
+    and coordinate ``i`` gets the 128 bits of outputs ``2i`` and ``2i + 1`` from counter
+    ``(0, step, 0, 0)``.
+    """
+    if isinstance(key, torch.Tensor):
+        key = key.detach().cpu().numpy()
+    if isinstance(step, torch.Tensor):
+        step = step.detach().cpu().numpy()
+    key = np.asarray(key, np.int32).view(np.uint32)
+    step = int(step)
+    master, mask = (int.from_bytes(key[i : i + 4].tobytes(), "little") for i in (0, 4))
+    derived = np.random.Philox(key=master, counter=[step, 0, 0, 1]).random_raw(2)
+    step_key = int.from_bytes(derived.tobytes(), "little") ^ mask
+    generator = np.random.Philox(key=step_key, counter=[0, step, 0, 0])
+    for start in range(0, count, chunk):
+        size = min(chunk, count - start)
+        yield generator.random_raw(2 * size).view(np.int32).reshape(size, 4).T.copy()

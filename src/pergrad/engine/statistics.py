@@ -440,7 +440,12 @@ class _Layers:
 
         self.inputs = [tree.map_structure(where, t) for t in self.inputs]
         self.deltas = [tree.map_structure(where, t) for t in self.deltas]
-        self._materialized = {}
+        # Per-example gradients already materialized (for the norms) keep serving the
+        # weighted sum, zeroed alike: recomputing them from the zeroed A and D would give the
+        # same values at the cost of a second per-example pass (a convolution's, say).
+        self._materialized = {
+            position: [where(g) for g in grads] for position, grads in self._materialized.items()
+        }
 
     def with_tensors(self, function):
         """These layers with ``function`` applied to every tensor of each call's ``A`` and ``D``."""

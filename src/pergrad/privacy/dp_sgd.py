@@ -16,7 +16,6 @@ References:
 from __future__ import annotations
 
 import math
-import secrets
 
 import keras
 import numpy as np
@@ -26,30 +25,10 @@ from pergrad import replicas
 from pergrad.aggregators.base import ExampleStatistics, WeightedAggregator
 from pergrad.aggregators.basic import clip_factors
 from pergrad.arguments import check_number
+from pergrad.privacy import noise
 
-# The noise: _STREAMS keyed randint streams XORed into _BITS-bit words, three
-# words (48 radius bits, 24 angle bits) per pair of coordinates (Box-Muller).
-# Key words have 31 bits: non-negative in every backend's seed dtype.
-_STREAMS = 5
-_BITS = 24
-_KEY_BITS = 31
 #: ``DPGaussian.step_limit`` without a budget.
 UNLIMITED_STEPS = 2**31 - 1
-
-
-def normal_from_words(words):
-    """Box-Muller: ``(3, n)`` uniform ``_BITS``-bit words to ``2 n`` standard normal values.
-
-    Words below 2^24 are exact in float32. ``u = (high + (low + 1) / 2^24) / 2^24``
-    lies in ``[2^-48, 1]``: 48 bits for the radius, so the values reach
-    ``sqrt(96 ln 2) = 8.16``; the third word is the angle.
-    """
-    high, low, angle = (ops.cast(words[i], "float32") for i in range(3))
-    scale = float(2**_BITS)
-    uniform = (high + (low + 1.0) / scale) / scale
-    radius = ops.sqrt(-2.0 * ops.log(uniform))
-    angle = (angle + 0.5) * (2.0 * math.pi / scale)
-    return ops.concatenate([radius * ops.cos(angle), radius * ops.sin(angle)])
 
 
 @keras.saving.register_keras_serializable(package="pergrad")
@@ -76,41 +55,40 @@ class DPGaussian(WeightedAggregator):
     batch's size, which is right only for fixed-size batches with no padding
     (and fixed-size batches are not what the Poisson accountant analyses).
 
-    **Noise.** A Box-Muller transform of uniform bits: each pair of noise
-    coordinates is ``r (cos a, sin a)`` with ``r = sqrt(-2 ln u)``, ``u``
-    uniform on ``2^48`` points of ``(0, 1]`` and ``a`` on ``2^24`` angles.
-    The support matters for privacy: beyond the largest value a noise
-    sampler can return, the privacy loss is infinite. With 48 bits the
-    noise reaches ``sqrt(96 ln 2) = 8.16`` standard deviations (a normal
-    from one float32 uniform through ``erfinv``, as ``jax.random.normal``,
-    stops at 5.4, where one record of a ``z = 0.5`` run lands outside the
-    support with probability ~3e-4 per step; here ``Q(8.16 - 1/z)``, 4e-10 at
-    ``z = 0.5``). Every 24-bit word is the XOR of
-    5 independent ``keras.random.randint`` streams, each keyed by its own
-    pair of 31-bit key words plus the step count (5 x 62 key bits), so the noise of step ``t``
-    is a pure function of (key, ``t``). XOR makes each stream a one-time pad
-    for the others: the noise is predictable only with every stream's key,
-    and a guess of some of them leaves uniform bits, so the keys cannot be
-    searched one at a time. Backends key one draw with at most 64 bits
-    (torch with 32), so five streams give more than 128 bits of key on every
-    backend.
+    **Noise.** Every coordinate of every step gets its own 128 random bits: a block
+    of a counter-based generator (Salmon et al., 2011; Threefry-4x32-20 fused by XLA on
+    JAX and TensorFlow, NumPy's Philox-4x64-10 on torch) keyed by 128 bits derived from a
+    256-bit secret key and the step count, so the noise of step ``t`` is a pure function
+    of (key, ``t``). The value is ``s * sqrt(-2 ln U) * sin(Psi)`` (Box-Muller's
+    ``R cos(Theta)`` with ``|cos(Theta)|`` replaced by the equal-in-law ``sin(Psi)``),
+    ``U`` uniform on ``2^96`` points of ``(0, 1]`` with a full float32 mantissa down to
+    ``2^-72``, ``Psi`` uniform on ``2^24`` points of ``(0, pi/2)``, ``s`` a fair sign.
+    The support matters for privacy: beyond the largest value a noise sampler can
+    return, the privacy loss is infinite. Here the noise reaches ``sqrt(192 ln 2) =
+    11.54`` standard deviations (a normal from one float32 uniform through ``erfinv``,
+    as ``jax.random.normal``, stops at 5.4, where one record of a ``z = 0.5`` run lands
+    outside the support with probability ~3e-4 per step). Against the floating-point
+    attacks on Gaussian samplers (Mironov 2012; Holohan and Braghin 2021; Jin et al.,
+    S&P 2022) it has no Box-Muller pairs to invert, every float32 value up to about 10.4
+    standard deviations is one of its outputs, and each output's probability averages
+    over ~2^24 angles (docs/architecture.md, "Noise generator").
 
     With ``seed=None`` (the default, and the only secure choice) the key
     comes from Python's :mod:`secrets` (the operating system's CSPRNG):
     ``keras.utils.set_random_seed`` does not touch it. The key is the XOR of
     two halves. One lives only in this Python object (and the programs
-    compiled from it). The other is a non-trainable variable, ``noise_key``,
-    so that compiled steps read it at run time and it can change: it is never
-    saved (``model.save``, ``save_weights`` and ``BackupAndRestore`` write
-    only ``step_count``), and it is drawn afresh when this rule loads
-    weights, so a restored run never replays noise an earlier run released.
-    ``get_weights()`` shows ``noise_key`` but not the hidden half, and weights
-    copied into another model do not give it this key. With an integer
-    ``seed`` both halves are derived from it (``numpy.random.SeedSequence``):
-    the noise of step ``t`` is reproducible, and a resumed run adds exactly
-    the noise of an uninterrupted one. That is for tests and debugging only
-    and **not secure**: anyone who knows the seed can subtract the noise
-    (Opacus's ``secure_mode=False``).
+    compiled from it). The other is a non-trainable variable, ``noise_key``
+    (eight int32 words), so that compiled steps read it at run time and it can
+    change: it is never saved (``model.save``, ``save_weights`` and
+    ``BackupAndRestore`` write only ``step_count``), and it is drawn afresh when
+    this rule loads weights, so a restored run never replays noise an earlier
+    run released. ``get_weights()`` shows ``noise_key`` but not the hidden
+    half, and weights copied into another model do not give it this key. With
+    an integer ``seed`` both halves are derived from it
+    (``numpy.random.SeedSequence``): the noise of step ``t`` is reproducible,
+    and a resumed run adds exactly the noise of an uninterrupted one. That is
+    for tests and debugging only and **not secure**: anyone who knows the seed
+    can subtract the noise (Opacus's ``secure_mode=False``).
 
     **Step count.** ``step_count``, a non-trainable int32 variable, counts the
     steps this rule has taken (one per call). It is model state: carried
@@ -157,6 +135,11 @@ class DPGaussian(WeightedAggregator):
     References:
         Abadi et al., 2016, "Deep learning with differential privacy".
         https://arxiv.org/abs/1607.00133
+        Salmon, Moraes, Dror and Shaw, 2011, "Parallel random numbers: as easy
+        as 1, 2, 3", SC'11. https://doi.org/10.1145/2063384.2063405
+        Jin, McMurtry, Rubinstein and Ohrimenko, 2022, "Are we there yet?
+        Timing and floating-point attacks on differential privacy systems",
+        IEEE S&P. https://arxiv.org/abs/2112.05307
     """
 
     #: Tells ``pergrad.privacy.check_dp_fit`` and the accountant callback that
@@ -190,30 +173,15 @@ class DPGaussian(WeightedAggregator):
         self.seed = None if seed is None else int(seed)
         self.log_diagnostics = bool(diagnostics)
         self.diagnostics = ("clipped_fraction", "gradient_norm") if diagnostics else ()
-        # Conduits for the keyed draws (TF and torch take a seed only as a
-        # SeedGenerator). Kept out of Keras's tracking through __dict__: their
-        # state is set before every draw and never saved.
-        self.__dict__["_noise_generators"] = [
-            keras.random.SeedGenerator(0, name=f"dp_noise_stream_{i}") for i in range(_STREAMS)
-        ]
         # The key is the XOR of two halves. This one lives only in this object
         # (and the programs compiled from it): not in the variables, so not in
         # get_weights(), and another instance given these weights has another key.
-        self.__dict__["_hidden_key"] = self._key_words(spawn=0)
+        self.__dict__["_hidden_key"] = noise.key_words(self.seed, spawn=0)
         self._new_key()
-
-    def _key_words(self, spawn: int) -> np.ndarray:
-        """``(_STREAMS, 2)`` 31-bit words: secret with ``seed=None``, derived from ``seed`` otherwise."""
-        if self.seed is None:
-            words = [secrets.randbits(_KEY_BITS) for _ in range(2 * _STREAMS)]
-        else:
-            sequence = np.random.SeedSequence(self.seed, spawn_key=(spawn,))
-            words = [int(w) >> (64 - _KEY_BITS) for w in sequence.generate_state(2 * _STREAMS, np.uint64)]
-        return np.array(words, "int32").reshape(_STREAMS, 2)
 
     def _new_key(self) -> None:
         """Draws the variable half of the key (``noise_key``): at construction and after a load."""
-        self.__dict__["_pending_key"] = self._key_words(spawn=1)
+        self.__dict__["_pending_key"] = noise.key_words(self.seed, spawn=1)
         if self.built:
             self.noise_key.assign(self._pending_key)
 
@@ -225,7 +193,7 @@ class DPGaussian(WeightedAggregator):
         # new key after a load takes effect) and JAX carries it in its state;
         # never saved (see save_own_variables).
         self.noise_key = self.add_weight(
-            shape=(_STREAMS, 2), initializer="zeros", dtype="int32", trainable=False, name="noise_key"
+            shape=(noise.KEY_WORDS,), initializer="zeros", dtype="int32", trainable=False, name="noise_key"
         )
         self.noise_key.assign(self._pending_key)
         # The step count the privacy budget stops at (set by PrivacyAccountant for a
@@ -305,37 +273,35 @@ class DPGaussian(WeightedAggregator):
     def example_weights(self, stats: ExampleStatistics):
         return self.clip_factors(stats) / self._denominator(stats)
 
+    def _key(self):
+        """The 256-bit key (int32 words): the hidden half XOR ``noise_key``."""
+        return ops.bitwise_xor(self.noise_key.value, ops.convert_to_tensor(self._hidden_key, "int32"))
+
     def standard_normal(self, size: int, step):
         """``size`` standard normal values for step ``step``, a pure function of (key, step)."""
-        hidden = ops.convert_to_tensor(self._hidden_key, "int32")
-        bits, key = None, ops.bitwise_xor(self.noise_key.value, hidden)
-        pairs = (size + 1) // 2
-        for stream, generator in enumerate(self._noise_generators):
-            dtype = generator.state.dtype
-            first, second = ops.cast(key[stream, 0], dtype), ops.cast(key[stream, 1], dtype)
-            generator.state.assign(ops.stack([first, second + ops.cast(step, dtype)]))
-            draw = keras.random.randint((3, pairs), 0, 2**_BITS, dtype="int32", seed=generator)
-            bits = draw if bits is None else ops.bitwise_xor(bits, draw)
-        return normal_from_words(bits)[:size]
+        return noise.gaussian_noise(self._key(), step, size, 1.0)
 
     def finalize(self, result: list, stats: ExampleStatistics) -> list:
-        step = self.step_count.value
+        # The step read into a tensor before the increment: the noise of the step it counts
+        # (a TF or torch variable's value would otherwise follow the assignment).
+        step = ops.convert_to_tensor(self.step_count.value)
+        noisy = result
+        if self.noise_multiplier > 0:
+            denominator = self._denominator(stats)  # the weights' denominator
+            # One draw for all variables. Drawn once globally: on replica 0 only (every
+            # replica has the same key and step), the replicas' sum then holds one noise
+            # (pergrad.replicas). The scale enters the generator: its last rounding then
+            # smooths the float32 values (docs/architecture.md, "Noise generator").
+            scale = replicas.first_replica(self.noise_stddev / ops.cast(denominator, "float32"))
+            sizes = [math.prod(g.shape) for g in result]
+            values = noise.gaussian_noise(self._key(), step, sum(sizes), scale)
+            noisy, start = [], 0
+            for gradient, size in zip(result, sizes):
+                part = ops.reshape(values[start : start + size], gradient.shape)
+                noisy.append(gradient + ops.cast(part, gradient.dtype))
+                start += size
         # A step past the budget's limit is not applied (update_allowed), nor counted.
         self.step_count.assign(step + ops.cast(ops.less(step, self.step_limit.value), "int32"))
-        if self.noise_multiplier == 0:
-            return result
-        denominator = self._denominator(stats)  # the weights' denominator
-        # One draw for all variables: one key per stream and step.
-        sizes = [math.prod(g.shape) for g in result]
-        noise = self.standard_normal(sum(sizes), step)
-        # Drawn once globally: on replica 0 only (every replica has the same key and
-        # step), the replicas' sum then holds one noise (pergrad.replicas).
-        scale = replicas.first_replica(self.noise_stddev / ops.cast(denominator, "float32"))
-        noisy, start = [], 0
-        for gradient, size in zip(result, sizes):
-            part = ops.reshape(noise[start : start + size] * scale, gradient.shape)
-            noisy.append(gradient + ops.cast(part, gradient.dtype))
-            start += size
         return noisy
 
     def get_config(self):
