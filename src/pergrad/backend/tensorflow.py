@@ -216,7 +216,12 @@ def set_random_state(state):
 def vectorized_call(fn, batched, shared, layout_hints=True):
     del layout_hints  # torch's concern
     """``fn(example, shared)`` for every example at once (``tf.vectorized_map``)."""
-    return tf.vectorized_map(lambda example: fn(example, shared), batched, fallback_to_while_loop=True)
+    # Every output made a tensor of the traced function: one that a layer took from outside
+    # (a constant built in `build()`) has no `op` for pfor to convert.
+    def example(values):
+        return tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), fn(values, shared))
+
+    return tf.vectorized_map(example, batched, fallback_to_while_loop=True)
 
 
 def grad_with_aux(fn, params):
