@@ -146,7 +146,10 @@ LOCAL = {f.__name__: f
          for f in (dense_sequence, convolutions, conv_sequence, transformer, shared_and_fallback)}
 # gru: a recurrent layer is planned as one call (its cell runs in a graph loop).
 NAMES = sorted(LOCAL) + ["dense_mlp", "conv1d", "embedding", "layer_norm", "gru", "multi_output",
-                          "masked_dense", "sequence_output", "subclassed"]
+                          "masked_dense", "sequence_output", "subclassed", "constant_inputs", "lora",
+                          "reversible_embedding"] + [
+    pytest.param(name, marks=problems.needs_keras_hub) for name in problems.KERAS_HUB_PROBLEMS
+]
 
 
 def _problem(name):
@@ -183,6 +186,8 @@ def test_norms_gram_and_weighted_sums_match_the_materialized_path(name, caplog):
     with caplog.at_level(logging.WARNING, logger="pergrad"):
         stats = pergrad.per_example_statistics(model, problem.x, problem.y, problem.sample_weight, gram=True)
     assert "materialized path" not in caplog.text, caplog.text  # the statistics path ran
+    if name not in ("gru", "shared_and_fallback"):
+        assert "no layer rule" not in caplog.text, caplog.text  # every layer has its rule
     grads = pergrad.per_example_gradients(model, problem.x, problem.y, problem.sample_weight)
     expected = ExampleStatistics.from_gradients(grads, gram=True)
     for actual, reference in ((stats.squared_norms, expected.squared_norms), (stats.gram, expected.gram)):
@@ -249,11 +254,14 @@ RULES = {
 }
 
 
-@pytest.mark.parametrize("rule", sorted(RULES))
-def test_every_statistics_rule_trains_as_on_the_materialized_path(rule, monkeypatch):
+# constant_inputs: `arange` positions, ids made in `build()`, a Dense layer on a weight,
+# broadcast over the batch through fit() (the per-example pass, not one batched pass).
+@pytest.mark.parametrize("name, rule", [("dense_mlp", rule) for rule in sorted(RULES)]
+                         + [("constant_inputs", "clip"), ("constant_inputs", "dp_noise_0")])
+def test_every_statistics_rule_trains_as_on_the_materialized_path(name, rule, monkeypatch):
     results = []
     for path in ("materialized", "statistics"):
-        problem = problems.make("dense_mlp")
+        problem = problems.make(name)
         wrapper = pergrad.PerExampleModel(problem.model, RULES[rule](), path=path)
         problem.compile(wrapper, optimizer=keras.optimizers.SGD(0.3))
         if path == "statistics":
