@@ -282,7 +282,8 @@ def _mark_whole_batch(problem, plan, trainable_values, batched, shared):
                              and leading == [(2,)] and _leading_one(call.specs[0][0]))
         return out
 
-    pair = {key: tree.map_structure(lambda t: ops.concatenate([t[:1], t[:1]], axis=0), batched[key])
+    # Stacked rows: a static leading axis of two even where the batch's is unknown (a TF retrace).
+    pair = {key: tree.map_structure(lambda t: ops.stack([t[0], t[0]]), batched[key])
             for key in ("x", "y", "sample_weight") if batched.get(key) is not None}
     with _Interceptor(problem.model, handler):
         problem._loss(list(trainable_values), shared["non_trainable"], pair["x"], pair.get("y"),

@@ -80,13 +80,13 @@ def outer_squared_norms(inputs, delta):
 
 
 def outer_weighted_sum(inputs, delta, weights):
-    """``(d_in, d_out)``: ``sum_i w_i A_i^T D_i = A^T diag(w) D``."""
+    """``(d_in, d_out)``: ``sum_i w_i A_i^T D_i = (diag(w) A)^T D``."""
     if len(inputs.shape) == 2:
         return ops.matmul(ops.transpose(inputs), delta * weights[:, None])
     a, d = _flat(inputs, delta)
-    rows = ops.reshape(a, (-1, ops.shape(a)[-1]))
-    weighted = ops.reshape(d * weights[:, None, None], (-1, ops.shape(d)[-1]))
-    return ops.matmul(ops.transpose(rows), weighted)
+    # The weights scale the input side: an LM head's D (B x T x vocabulary) is the larger.
+    rows = ops.reshape(a * ops.cast(weights[:, None, None], a.dtype), (-1, ops.shape(a)[-1]))
+    return ops.matmul(ops.transpose(rows), ops.reshape(d, (-1, ops.shape(d)[-1])))
 
 
 def _bias_squared_norms(delta):
