@@ -369,7 +369,7 @@ RULES = {
     "clip": lambda sampler: aggregators.clip(0.5),
 }
 
-def train(rule, strategy, max_batch_size=7):
+def train(rule, strategy, max_batch_size=7, steps_per_execution=1, budget=None):
     with strategy.scope() if strategy else contextlib.nullcontext():
         problem = problems.dense_mlp(batch=16)
         sampler = privacy.PoissonSampler(problem.x, problem.y, sampling_rate=RATE, seed=0,
@@ -377,9 +377,11 @@ def train(rule, strategy, max_batch_size=7):
                                          max_batch_size=max_batch_size)
         aggregator = RULES[rule](sampler)
         model = pergrad.PerExampleModel(problem.model, aggregator)
-        model.compile(optimizer="sgd", loss=problem.loss)
+        model.compile(optimizer="sgd", loss=problem.loss, steps_per_execution=steps_per_execution)
     private = rule.startswith("dp")
-    callbacks = [privacy.PrivacyAccountant(1.0, RATE, DELTA)] if rule == "dp_noise_1" else None
+    callbacks = None
+    if rule == "dp_noise_1":
+        callbacks = [privacy.PrivacyAccountant(1.0, RATE, DELTA, max_epsilon=budget)]
     before = problem.model.get_weights()
     try:
         history = model.fit(sampler, epochs=2, verbose=0, callbacks=callbacks)
@@ -418,6 +420,8 @@ alone, run = train("clip", None, 8), train("clip", two, 8)
 report["several"]["clip/2"] = [difference(run["weights"], alone["weights"]), None, run["batch_size"]]
 report["clip_logs"] = max(abs(alone["logs"][k][-1] - run["logs"][k][-1]) for k in alone["logs"])
 report["refused"] = train("mean", two)
+# A budget cannot be enforced inside a group of steps on replicas: refused before any step.
+report["grouped_budget"] = train("dp_noise_1", two, steps_per_execution=2, budget=10.0)
 
 # Plain batches: the last one (1 example) leaves replica 1 an empty shard.
 def plain(strategy):
@@ -461,6 +465,8 @@ def test_tensorflow_mirrored_strategy_poisson_sampling():
     assert "max_batch_size=8" in report["refused"]["refused"], report["refused"]
     assert report["refused"]["unchanged"] == 0.0
     assert report["empty_shard"] <= 1e-5, report["empty_shard"]
+    assert "steps_per_execution=2" in report["grouped_budget"]["refused"], report["grouped_budget"]
+    assert report["grouped_budget"]["unchanged"] == 0.0
 
 
 _MIXED_PRECISION = """

@@ -346,3 +346,25 @@ def test_mixed_precision_with_loss_scaling_trains_as_on_the_materialized_path(ru
         values = [ops.convert_to_numpy(getattr(m.optimizer, attribute)) for m in results]
         np.testing.assert_array_equal(*values, err_msg=attribute)
     oracle.assert_weights_close(results[1].model, results[0].model, atol=2e-3, rtol=2e-3)
+
+
+def test_a_tied_table_whose_squared_norm_overflows_has_its_norm():
+    """One example's embedding and LM-head pieces of a tied table are ~1e19 (finite, their
+    squares not): the norm of their sum from the rescaled factors, as from the formed
+    gradients in float64."""
+    keras.utils.set_random_seed(0)
+    ids, scale = keras.Input((5,), dtype="int32"), keras.Input((1, 1))
+    table = layers.ReversibleEmbedding(11, 8)
+    logits = table(layers.Multiply()([table(ids), scale]), reverse=True)
+    model = keras.Model([ids, scale], logits)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = [_ids(11, B, 5), np.ones((B, 1, 1), "float32")]
+    x[1][2] = 1e21
+    y = _ids(11, B, 5)[::-1].copy()
+    with pytest.MonkeyPatch.context() as patch:  # the norms come from the factors, not the table
+        patch.setattr(pergrad.layer_rules.embedding.ReversibleEmbeddingRule, "per_example", _refuse)
+        stats = pergrad.per_example_statistics(model, x, y)
+    rows = np.concatenate([oracle.to_numpy(g).reshape(B, -1).astype("float64")
+                           for g in pergrad.per_example_gradients(model, x, y)], axis=1)
+    assert np.all(np.isfinite(rows)) and (rows[2] ** 2).sum() > np.finfo(np.float32).max
+    np.testing.assert_allclose(oracle.to_numpy(stats.flat_norms), np.sqrt((rows ** 2).sum(axis=1)), rtol=1e-5)

@@ -9,6 +9,7 @@ touches this file only. Tests may still reach into Keras directly.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
@@ -73,24 +74,54 @@ def own_trainable_variables(layer) -> list:
     return [v for v in layer._trainable_variables if v.trainable]
 
 
+# The recorders of each thread's dry runs, innermost last, and how many dry runs
+# (in any thread) have the patch installed.
+_READS = threading.local()
+_PATCH_LOCK = threading.Lock()
+_patch = {"users": 0, "original": None}
+
+
+def _recorders() -> list:
+    if not hasattr(_READS, "stack"):
+        _READS.stack = []
+    return _READS.stack
+
+
 @contextlib.contextmanager
 def recording_variable_reads(record):
-    """Calls ``record(variable)`` for every variable read inside a ``StatelessScope``.
+    """Calls ``record(variable)`` for every variable this thread reads inside a ``StatelessScope``.
 
     Patches ``StatelessScope.get_current_value``, through which every backend's
-    ``Variable.value`` reads a variable in a stateless scope, for the duration
-    of the block: pergrad's forward passes always run in one.
+    ``Variable.value`` reads a variable in a stateless scope (pergrad's forward
+    passes always run in one). The patch is shared by the dry runs of every
+    thread: installed by the first, removed (Keras's original restored) by the
+    last to finish, under a lock; each read goes to the recorder of the thread
+    that makes it, so that concurrent ``fit`` calls neither record each other's
+    reads nor stop each other's recording.
     """
     from keras.src.backend.common.stateless_scope import StatelessScope
 
-    original = StatelessScope.get_current_value
+    with _PATCH_LOCK:
+        if _patch["users"] == 0:
+            original = StatelessScope.get_current_value
 
-    def get_current_value(self, variable):
-        record(variable)
-        return original(self, variable)
+            def get_current_value(self, variable):
+                recorders = getattr(_READS, "stack", None)
+                if recorders:
+                    recorders[-1](variable)
+                return original(self, variable)
 
-    StatelessScope.get_current_value = get_current_value
+            _patch["original"] = original
+            StatelessScope.get_current_value = get_current_value
+        _patch["users"] += 1
+    recorders = _recorders()
+    recorders.append(record)
     try:
         yield
     finally:
-        StatelessScope.get_current_value = original
+        recorders.pop()
+        with _PATCH_LOCK:
+            _patch["users"] -= 1
+            if _patch["users"] == 0:
+                StatelessScope.get_current_value = _patch["original"]
+                _patch["original"] = None

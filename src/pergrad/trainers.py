@@ -13,11 +13,23 @@ from __future__ import annotations
 import keras
 from keras import ops, tree
 
-from pergrad import compat
+from pergrad import compat, replicas
 from pergrad.backend import adapter
 
 
-class StatelessTrainStep:
+class _StepLimit:
+    def _update_allowed(self):
+        """The rule's ``update_allowed()``, read before the step counts itself, where Keras runs
+        several steps without calling back (``steps_per_execution > 1``; between single
+        steps ``PrivacyAccountant`` stops training itself); ``None`` otherwise."""
+        # Not on several TF replicas: the optimizer's all-reduce cannot run in a `cond`
+        # (PrivacyAccountant refuses a budget with steps_per_execution > 1 there).
+        if getattr(self, "steps_per_execution", 1) <= 1 or replicas.count(self) > 1:
+            return None
+        return self.aggregator.update_allowed()
+
+
+class StatelessTrainStep(_StepLimit):
     """JAX: ``train_step(state, data)`` over the state's arrays."""
 
     def train_step(self, state, data):
@@ -34,6 +46,7 @@ class StatelessTrainStep:
         # The optimizer's too: a LossScaleOptimizer's scale is read from its state.
         mapping += list(zip(self.optimizer.variables, optimizer_variables))
         with keras.StatelessScope(state_mapping=mapping) as scope:
+            allowed = self._update_allowed()
             grads, y_pred, seeds = self._aggregated_gradients(
                 trainable, [non_trainable[i] for i in inner], x, y, sample_weight
             )
@@ -53,9 +66,11 @@ class StatelessTrainStep:
             sample_weight=sample_weight,
             training=True,
         )
-        trainable, optimizer_variables = self.optimizer.stateless_apply(
-            optimizer_variables, grads, trainable
-        )
+        updated = self.optimizer.stateless_apply(optimizer_variables, grads, trainable)
+        if allowed is not None:  # a refused step leaves the weights and the optimizer as they were
+            updated = tree.map_structure(lambda new, old: ops.where(allowed, new, old), updated,
+                                         (trainable, optimizer_variables))
+        trainable, optimizer_variables = updated
         logs, metrics_variables = compat.update_metrics_variables(
             self, metrics_variables, loss, x, y, y_pred, sample_weight
         )
@@ -67,7 +82,7 @@ class StatelessTrainStep:
         return [ids[id(v)] for v in self.model.non_trainable_variables]
 
 
-class StatefulTrainStep:
+class StatefulTrainStep(_StepLimit):
     """TensorFlow and torch: ``train_step(data)`` that assigns the variables."""
 
     def train_step(self, data):
@@ -75,6 +90,7 @@ class StatefulTrainStep:
         self._check_single_replica()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x = self._check_batch(x, y)
+        allowed = self._update_allowed()
         variables = self.model.non_trainable_variables
         grads, y_pred, seeds = self._aggregated_gradients(
             [v.value for v in self.model.trainable_variables],
@@ -95,10 +111,23 @@ class StatefulTrainStep:
         )
         compat.loss_tracker(self).update_state(loss, sample_weight=ops.shape(tree.flatten(x)[0])[0])
         with adapter().no_grad(after=x):  # after the batch check (TF graphs)
-            self.optimizer.apply(grads, self.model.trainable_variables)
+            self._apply(grads, allowed)
         if reports is not None:
             self._keep_reports(reports)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _apply(self, grads, allowed):
+        variables = self.model.trainable_variables
+        if allowed is None:
+            self.optimizer.apply(grads, variables)
+            return
+        if not self.optimizer.built:  # (TF: no variable may be created inside the cond)
+            self.optimizer.build(variables)
+
+        def apply():
+            self.optimizer.apply(grads, variables)
+
+        ops.cond(allowed, apply, lambda: None)
 
 
 def for_backend(name: str) -> type:

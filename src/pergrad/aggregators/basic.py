@@ -100,6 +100,17 @@ class TrimmedMean(CoordinateAggregator):
         return {**super().get_config(), "trim": self.trim}
 
 
+def clip_factors(norms, threshold: float):
+    """``min(1, threshold / norm)`` for every entry of ``norms``: the factors that clip
+    gradients of those norms to ``threshold`` (0 for an infinite norm, NaN for a NaN one).
+
+    Takes the norms, not their squares (:attr:`ExampleStatistics.norms`): a squared norm
+    overflows float32 for a gradient that is still finite, and would give factor 0
+    instead of clipping that gradient to ``threshold``.
+    """
+    return threshold / ops.maximum(norms, threshold)
+
+
 @_serializable
 class Clip(ScaledMean):
     """Per-example L2 clipping, then the mean (Abadi et al., 2016, DP-SGD
@@ -131,11 +142,10 @@ class Clip(ScaledMean):
         self.per_layer = per_layer
 
     def clip_factors(self, stats: ExampleStatistics):
-        squared = stats.squared_norms if self.per_layer else stats.flat_squared_norms
-        norms = ops.sqrt(squared)
+        norms = stats.norms if self.per_layer else stats.flat_norms
         # Over the whole batch on every replica (tf.distribute merges their logs).
         self.report("clipped_fraction", replicas.global_mean(ops.cast(norms > self.l2_norm, "float32")))
-        return self.l2_norm / ops.maximum(norms, self.l2_norm)
+        return clip_factors(norms, self.l2_norm)
 
     def example_scales(self, stats: ExampleStatistics):
         return self.clip_factors(stats)

@@ -37,8 +37,7 @@ class AutomaticClip(ScaledMean):
         self.per_layer = per_layer
 
     def example_scales(self, stats: ExampleStatistics):
-        squared = stats.squared_norms if self.per_layer else stats.flat_squared_norms
-        norms = ops.sqrt(squared) + self.gamma
+        norms = (stats.norms if self.per_layer else stats.flat_norms) + self.gamma
         # A zero gradient stays zero (also for gamma = 0): its scale does not matter.
         return 1.0 / ops.where(norms > 0, norms, 1.0)
 

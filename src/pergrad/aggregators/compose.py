@@ -39,14 +39,6 @@ def _serializable(cls):
     return keras.saving.register_keras_serializable(package="pergrad")(cls)
 
 
-def _scaled_statistics(stats: ExampleStatistics, scales) -> ExampleStatistics:
-    """Statistics of ``s_i g_i`` (flat ``(B,)`` scales) or ``s_ik g_ik`` (``(B, V)``)."""
-    if len(scales.shape) == 1:
-        gram = None if stats.gram is None else scales[:, None] * stats.gram * scales[None, :]
-        return ExampleStatistics(stats.squared_norms * (scales * scales)[:, None], gram)
-    return ExampleStatistics(stats.squared_norms * scales * scales, None)
-
-
 def _refuse_private(rule: Aggregator, wrapper: str) -> None:
     """A DP rule's guarantee holds only for the rule applied to the raw per-example gradients."""
     if getattr(rule, "differentially_private", False):
@@ -149,7 +141,7 @@ class Chain(WeightedAggregator):
         scales = None
         for step in self.steps[:-1]:
             step_scales = step.example_scales(stats)
-            stats = _scaled_statistics(stats, step_scales)
+            stats = stats.scaled_by(step_scales)
             scales = step_scales if scales is None else _multiply_weights(scales, step_scales)
         weights = self.steps[-1].example_weights(stats)
         return weights if scales is None else _multiply_weights(scales, weights)

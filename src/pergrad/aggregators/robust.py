@@ -50,6 +50,15 @@ def _count(fraction: float, batch_size):
     return ops.cast(ops.floor(fraction * ops.cast(batch_size, "float32")), "int32")
 
 
+def pairwise_squared_distances(gram):
+    """``(B, B)``: ``||g_i - g_j||^2 = G_ii + G_jj - 2 G_ij`` (at least 0), infinite for a pair
+    with an example whose squared norm ``G_ii`` is not finite (inf - inf would be NaN)."""
+    squared = ops.diagonal(gram)
+    far = ~ops.isfinite(squared)
+    distances = ops.maximum(squared[:, None] + squared[None, :] - 2.0 * gram, 0.0)
+    return ops.where(far[:, None] | far[None, :], math.inf, distances)
+
+
 def _ranks(values):
     """Rank of each entry of a vector in ascending order (ties broken by position)."""
     return ops.argsort(ops.argsort(values))
@@ -98,7 +107,9 @@ class Krum(WeightedAggregator):
     ``select > 1``: Multi-Krum). Distances come from the Gram matrix.
 
     Needs ``B - f - 2 >= 1`` and ``B >= select``; the paper's guarantees further
-    assume ``B > 2f + 2``. Reports ``selected_fraction`` (``select / B``).
+    assume ``B > 2f + 2``. Reports ``selected_fraction`` (``select / B``). An
+    example whose squared norm is not finite in float32 (a gradient norm above
+    ~1.8e19, or a NaN) is infinitely far from every other.
 
     Args:
         byzantine: the fraction of examples that may be arbitrary, in ``[0, 0.5)``.
@@ -129,23 +140,22 @@ class Krum(WeightedAggregator):
         )
 
     def example_weights(self, stats: ExampleStatistics):
-        gram = stats.gram
         batch_size = stats.batch_size
-        neighbours = batch_size - _count(self.byzantine, batch_size) - 2
-        squared = ops.diagonal(gram)
-        distances = ops.maximum(squared[:, None] + squared[None, :] - 2.0 * gram, 0.0)
         index = ops.arange(batch_size)
         diagonal = index[:, None] == index[None, :]
-        # The sum of the `neighbours` nearest others is the sum over all others minus
-        # the f + 1 farthest: a partial selection (top_k), not a sort of B x B values
-        # (XLA:CPU's comparator sort dominated the step).
-        farthest = batch_size - 1 - neighbours
-        others = ops.sum(ops.where(diagonal, 0.0, distances), axis=1)
-        if isinstance(farthest, int) and farthest == 0:
-            scores = others
-        else:
-            top = ops.top_k(ops.where(diagonal, -1.0, distances), farthest, sorted=False)[0]
-            scores = others - ops.sum(top, axis=1)
+        distances = ops.where(diagonal, -math.inf, pairwise_squared_distances(stats.gram))
+        # Each row's `neighbours` nearest others are all but its f + 1 farthest, found by a
+        # partial selection (top_k), not a sort of B x B values (XLA:CPU's comparator sort
+        # dominated the step). Their sum is taken directly: subtracting the farthest from
+        # the sum over all others cancels catastrophically when one example is far away
+        # (an outlier 1e5 times larger than the rest changed which example Krum chose).
+        farthest = _count(self.byzantine, batch_size) + 1
+        cut = ops.min(ops.top_k(distances, farthest, sorted=False)[0], axis=1)[:, None]
+        nearer = ops.sum(ops.where((distances < cut) & ~diagonal, distances, 0.0), axis=1)
+        # Distances equal to the cut: as many as the f + 1 farthest do not take are neighbours.
+        ties = (ops.sum(_float(distances == cut), axis=1)
+                - (_float(farthest) - ops.sum(_float(distances > cut), axis=1)))
+        scores = nearer + ops.where(ties > 0, cut[:, 0] * ties, 0.0)
         selected = _float(_ranks(scores) < self.select)
         self.report("selected_fraction", self.select / _float(batch_size))
         return selected / float(self.select)
@@ -165,6 +175,10 @@ class GeometricMedian(WeightedAggregator):
     iteration costs ``O(B^2)``; the fixed iteration count keeps the rule
     jit-friendly (at a fixed point further iterations change nothing).
 
+    An example whose squared norm is not finite in float32 (a gradient norm above
+    ~1.8e19, or a NaN) gets weight 0: the median is that of the other examples
+    (a NaN example still makes the update NaN, as for every rule).
+
     Args:
         max_iter: Weiszfeld iterations.
         eps: the smoothing ``nu``: distances below it count as ``eps``.
@@ -182,15 +196,16 @@ class GeometricMedian(WeightedAggregator):
         self.eps = check_number("geometric_median", "eps", eps, low=0.0, low_open=True)
 
     def example_weights(self, stats: ExampleStatistics):
-        gram = stats.gram
+        usable = ops.isfinite(ops.diagonal(stats.gram))  # (see the class docstring)
+        gram = ops.where(usable[:, None] & usable[None, :], stats.gram, 0.0)
         squared = ops.diagonal(gram)
-        weights = ops.ones_like(squared) / _float(stats.batch_size)
+        weights = _float(usable) / ops.sum(_float(usable))
         for _ in range(self.max_iter):
             gram_weights = ops.matmul(gram, weights[:, None])[:, 0]
             distances = ops.sqrt(
                 ops.maximum(squared - 2.0 * gram_weights + ops.sum(weights * gram_weights), 0.0)
             )
-            inverse = 1.0 / ops.maximum(distances, self.eps)
+            inverse = ops.where(usable, 1.0 / ops.maximum(distances, self.eps), 0.0)
             weights = inverse / ops.sum(inverse)
         return weights
 
@@ -245,7 +260,7 @@ class CenteredClip(Aggregator):
         batch_size = _float(batch_size_of(gradients))
         for _ in range(self.iters):
             deviations = [g - c[None] for g, c in zip(gradients, center)]
-            norms = ops.sqrt(ExampleStatistics.from_gradients(deviations).flat_squared_norms)
+            norms = ExampleStatistics.from_gradients(deviations).flat_norms
             factors = self.tau / ops.maximum(norms, self.tau)
             steps = weighted_sum(deviations, factors / batch_size)
             center = [c + s for c, s in zip(center, steps)]
@@ -321,7 +336,7 @@ class NormFilter(WeightedAggregator):
         self.drop_fraction = drop_fraction
 
     def _kept(self, stats: ExampleStatistics):
-        norms = ops.sqrt(stats.flat_squared_norms)
+        norms = stats.flat_norms
         if self.factor is not None:
             kept = norms <= self.factor * ops.median(norms)
         else:
@@ -353,8 +368,7 @@ class NormFilter(WeightedAggregator):
 
     def row_map(self, stats, batch_size):
         self._kept(stats)
-        norms = stats.flat_squared_norms
-        kept = ops.sort(ops.argsort(norms)[: batch_size - _count(self.drop_fraction, batch_size)])
+        kept = ops.sort(ops.argsort(stats.flat_norms)[: batch_size - _count(self.drop_fraction, batch_size)])
         return RowMap(ops.cast(kept, "int32")[:, None])
 
     def get_config(self):

@@ -36,6 +36,7 @@ from pergrad.aggregators.base import (
     STATISTICS,
     ExampleStatistics,
     WeightedAggregator,
+    squared_norms_of_rows,
     zero_non_finite_examples,
 )
 from pergrad.aggregators.basic import Mean, Sum
@@ -215,7 +216,7 @@ def aggregate(
         if one_pass:
             sums = accumulate(sums, rows, [partial] * len(rows))
         else:
-            out["squared_norms"] = ops.stack([ops.sum(r * r, axis=1) for r in rows], axis=1)
+            out["squared_norms"], out["scale"] = squared_norms_of_rows(rows)
         return sums, out
 
     zeros = [ops.zeros((math.prod(s),), dtype=v.dtype) for s, v in zip(shapes, trainable_values)]
@@ -259,7 +260,7 @@ def aggregate(
 
             gram = chunks.loop(gram_rows, ops.zeros(()))[1]
             gram = gram * gradient_scale[:, None] * gradient_scale[None, :]
-        stats = ExampleStatistics(out["squared_norms"] * ops.square(gradient_scale)[:, None], gram)
+        stats = ExampleStatistics(out["squared_norms"], gram, scale=out["scale"] * gradient_scale[:, None])
         weights = ops.cast(aggregator.example_weights(stats), "float32")
         if len(weights.shape) == 1:
             weights = weights * gradient_scale

@@ -11,6 +11,7 @@ pass run inside a ``keras.StatelessScope``, never by a Python loop over examples
 from __future__ import annotations
 
 import copy
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -430,15 +431,26 @@ def _loss_key(loss):
     return _nest_map(lambda item: item if isinstance(item, str) or item is None else id(item), loss)
 
 
+_CACHE_LOCK = threading.RLock()
+
+
 def _bounded_get(cache: OrderedDict, key, make):
-    """``cache[key]``, made by ``make()`` if absent; the least recently used entry goes."""
-    if key in cache:
+    """``cache[key]``, made by ``make()`` if absent; the least recently used entry goes.
+
+    Under a lock: ``fit`` may run in several threads (tf.distribute's replicas, or
+    the user's), and an OrderedDict's move and eviction are not atomic.
+    """
+    with _CACHE_LOCK:
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+    value = make()  # (outside the lock: it may trace or compile)
+    with _CACHE_LOCK:
+        value = cache.setdefault(key, value)
         cache.move_to_end(key)
-    else:
-        cache[key] = make()
         while len(cache) > _CACHE_SIZE:
             cache.popitem(last=False)
-    return cache[key]
+    return value
 
 
 def _problem(model, loss, training) -> PerExampleProblem:

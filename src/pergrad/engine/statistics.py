@@ -34,7 +34,13 @@ import keras
 from keras import ops, tree
 
 from pergrad import compat, replicas
-from pergrad.aggregators.base import ExampleStatistics, RowMap
+from pergrad.aggregators.base import (
+    ExampleStatistics,
+    RowMap,
+    overflow_safe,
+    row_scales,
+    scaled_squared_norms_of_rows,
+)
 from pergrad.aggregators.basic import Mean, Sum
 from pergrad.backend import adapter
 from pergrad.engine.materialized import per_example_gradients
@@ -42,6 +48,7 @@ from pergrad.engine.problem import _bounded_get, _map, _problem, check_model
 from pergrad.layer_rules import rule_for
 from pergrad.layer_rules.base import (
     OutputRule,
+    divide_rows,
     factor_inner_products,
     per_example_vjp,
     replaced_attribute,
@@ -217,6 +224,14 @@ def make_plan(problem, trainable_values, batched, shared) -> Plan:
                 out.append(v)
         return out
 
+    if not root_reads and not any(record["reads"] for record in records):
+        # The forward pass reads its variables in a StatelessScope, so reads are always
+        # recorded; none means the recording failed, and planning on it would give every
+        # layer a zero gradient.
+        raise RuntimeError(
+            f"pergrad's dry run of model {model.name!r} recorded no variable read; the "
+            "statistics path cannot plan it. Please report this with the model."
+        )
     if trainable(root_reads):
         names = [v.path for v in trainable(root_reads)]
         raise Unsupported(f"the model reads trainable variable(s) {names} outside any layer call")
@@ -301,16 +316,18 @@ def _cached_plan(problem, trainable_values, batched, shared) -> Plan:
         tuple((tuple(t.shape[1:]), str(t.dtype)) for t in tree.flatten(batched)),
     )
     cache = problem.__dict__.setdefault("_statistics_plans", {})
-    if key not in cache:
+    plan = cache.get(key)  # (read once: another thread may clear the cache meanwhile)
+    if plan is None:
+        try:
+            plan = make_plan(problem, trainable_values, batched, shared)
+        except Unsupported as error:
+            plan = error  # found once, not on every step
         if len(cache) > 8:
             cache.clear()
-        try:
-            cache[key] = make_plan(problem, trainable_values, batched, shared)
-        except Unsupported as error:
-            cache[key] = error  # found once, not on every step
-    if isinstance(cache[key], Unsupported):
-        raise cache[key]
-    return cache[key]
+        cache[key] = plan
+    if isinstance(plan, Unsupported):
+        raise plan
+    return plan
 
 
 def _log_fallback(problem, plan):
@@ -431,6 +448,28 @@ def _weighted_losses(problem, losses, aux, weights, batch_size):
         factors = weights if factors is None else weights * factors
     losses = ops.cast(losses, "float32")
     return ops.sum(losses if factors is None else ops.stop_gradient(factors) * losses)
+
+
+def _scaled_factors(parts):
+    """``(parts, scale)``: outer-product pieces of one gradient, all divided by the same
+    ``(B,)`` scale with every factor's entries at most one (no product overflows).
+
+    Piece ``c`` (``sum_t l_t ⊗ r_t``) is bilinear: its left factor divided by its own
+    largest entry ``a_c`` and its right by ``scale / a_c``, where ``scale`` is the
+    largest ``a_c`` times the right factor's largest entry; ids stay as they are.
+    """
+    lefts = [row_scales(left) if _is_float(left) else None for left, _ in parts]
+    rights = [row_scales(right) for _, right in parts]
+    scale = None
+    for left, right in zip(lefts, rights):
+        size = right if left is None else left * right
+        scale = size if scale is None else ops.maximum(scale, size)
+    scaled = []
+    for (left, right), left_scale in zip(parts, lefts):
+        if left_scale is not None:
+            left = divide_rows(left, left_scale)
+        scaled.append((left, divide_rows(right, scale if left_scale is None else scale / left_scale)))
+    return scaled, scale
 
 
 def _finish_aux(problem, aux, non_trainable):
@@ -595,8 +634,10 @@ class _Layers:
                     sums[k] = rows if k not in sums else sums[k] + rows
         return sums
 
-    def _shared_squared_norms(self):
-        """``{variable index: (B,)}`` squared norms of the variables that several calls read.
+    def _shared_squared_norms(self, scaled=False):
+        """``{variable index: ((B,) squared norm, (B,) scale or None)}`` of the variables
+        that several calls read (with ``scaled``, divided by the scale squared, computed
+        so that none overflows).
 
         Example i's gradient is the sum of the calls' pieces, and its squared norm
         the sum of their pairwise inner products: from the rules' factors
@@ -616,17 +657,26 @@ class _Layers:
             for m, v in enumerate(call.variables):
                 pieces.setdefault(self.index_of[id(v)], []).append(None if factors is None else factors[m])
         formed = [k for k, parts in pieces.items() if any(part is None for part in parts)]
-        norms = {k: ops.sum(ops.square(rows), axis=1) for k, rows in self._shared_variables(formed).items()}
+        out = {}
+        for k, rows in self._shared_variables(formed).items():
+            if scaled:
+                (norms,), (scale,) = scaled_squared_norms_of_rows([rows])
+                out[k] = (norms, scale)
+            else:
+                out[k] = (ops.sum(ops.square(rows), axis=1), None)
         for k, parts in pieces.items():
-            if k in norms:
+            if k in out:
                 continue
+            scale = None
+            if scaled:
+                parts, scale = _scaled_factors(parts)
             total = 0.0
             for a, first in enumerate(parts):
                 total = total + factor_inner_products(first, first)
                 for second in parts[a + 1:]:
                     total = total + 2.0 * factor_inner_products(first, second)
-            norms[k] = total
-        return norms
+            out[k] = (ops.cast(total, "float32"), scale)
+        return out
 
     def _per_call(self, statistic, from_rows, arguments=lambda call: (), every_call=False):
         """``(call, value)`` for every call with no shared variable (with ``every_call``, for
@@ -645,17 +695,37 @@ class _Layers:
             yield call, value
 
     def squared_norms(self, batch_size):
-        columns = [None] * self.count
-        def from_rows(rows):
-            return [ops.sum(r * r, axis=1) for r in rows]
+        """``((B, V) squared norms, (B, V) scale)``: divided by the scale squared, computed
+        again with rescaled ``A``, ``D`` and rows only if one overflowed
+        (:func:`~pergrad.aggregators.base.overflow_safe`)."""
 
-        for call, norms in self._per_call("squared_norms", from_rows):
-            for v, n in zip(call.variables, norms):
-                columns[self.index_of[id(v)]] = n
-        for k, norms in self._shared_squared_norms().items():
-            columns[k] = norms
-        zeros = ops.zeros((batch_size,), "float32")
-        return ops.stack([zeros if c is None else ops.cast(c, "float32") for c in columns], axis=1)
+        def columns(scaled):
+            norms, scales = [None] * self.count, [None] * self.count
+
+            def from_rows(rows):
+                if scaled:
+                    return scaled_squared_norms_of_rows(rows)
+                return [ops.sum(r * r, axis=1) for r in rows]
+
+            def keep(indices, value):
+                found, found_scales = value if scaled else (value, [None] * len(value))
+                for k, n, scale in zip(indices, found, found_scales):
+                    norms[k], scales[k] = ops.cast(n, "float32"), scale
+
+            statistic = "scaled_squared_norms" if scaled else "squared_norms"
+            for call, value in self._per_call(statistic, from_rows):
+                keep([self.index_of[id(v)] for v in call.variables], value)
+            for k, (n, scale) in self._shared_squared_norms(scaled).items():
+                norms[k], scales[k] = n, scale
+            zeros, ones = ops.zeros((batch_size,), "float32"), ops.ones((batch_size,), "float32")
+            norms = [zeros if n is None else n for n in norms]
+            return norms, [ones if s is None else ops.cast(s, "float32") for s in scales]
+
+        def rescaled():
+            norms, scales = columns(True)
+            return ops.stack(norms, axis=1), ops.stack(scales, axis=1)
+
+        return overflow_safe(ops.stack(columns(False)[0], axis=1), rescaled)
 
     def gram(self, batch_size):
         total = ops.zeros((batch_size, batch_size), "float32")
@@ -821,18 +891,19 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         return aggregator.finalize(result, stats), _finish_aux(problem, aux, non_trainable)
     layers, aux = _layers(problem, trainable_values, batched, shared, batch_size, inverse)
     with _context(problem, trainable_values, non_trainable):
-        norms = layers.squared_norms(batch_size)
+        norms, scale = layers.squared_norms(batch_size)
         if getattr(aggregator, "differentially_private", False):
             # A DP rule's non-finite examples contribute nothing (as on the materialized
             # path: zero_non_finite_examples); a NaN update would reveal them.
-            keep = ops.all(ops.isfinite(norms), axis=1)
+            keep = ExampleStatistics(norms, scale=scale).finite
             layers.zero_rows(keep)
             norms = ops.where(keep[:, None], norms, ops.zeros_like(norms))
+            scale = ops.where(keep[:, None], scale, ops.ones_like(scale))
         whole = layers.gathered() if gathered and aggregator.needs_gram else layers
         if gathered:
-            norms = replicas.gather(norms)
+            norms, scale = replicas.gather(norms), replicas.gather(scale)
         gram = whole.gram(ops.shape(norms)[0]) if aggregator.needs_gram else None
-        stats = ExampleStatistics(norms, gram)
+        stats = ExampleStatistics(norms, gram, scale=scale)
         weights = ops.stop_gradient(aggregator.example_weights(stats))
         result = layers.weighted_sums(local(weights), variables)
     return aggregator.finalize(result, stats), _finish_aux(problem, aux, non_trainable)
@@ -848,7 +919,8 @@ def statistics(problem, trainable_values, non_trainable_values, x, y=None, sampl
     shared = {"non_trainable": non_trainable, "loss_scale": None}
     layers, aux = _layers(problem, trainable_values, batched, shared, batch_size, _unscale(None))
     with _context(problem, trainable_values, non_trainable):
-        stats = ExampleStatistics(layers.squared_norms(batch_size), layers.gram(batch_size) if gram else None)
+        norms, scale = layers.squared_norms(batch_size)
+        stats = ExampleStatistics(norms, layers.gram(batch_size) if gram else None, scale=scale)
     return stats, _finish_aux(problem, aux, non_trainable)
 
 
@@ -864,7 +936,7 @@ def _statistics_function(problem, gram: bool):
         def pure(trainable_values, non_trainable_values, x, y, sample_weight):
             stats, aux = statistics(problem, trainable_values, non_trainable_values, x, y,
                                     sample_weight, gram=gram)
-            return stats.squared_norms, stats.gram, aux["seeds"]
+            return stats.scaled_squared_norms, stats.scale, stats.gram, aux["seeds"]
 
         return (trainable, non_trainable), adapter().compile(pure)
 
@@ -894,14 +966,16 @@ def per_example_statistics(model, x, y=None, sample_weight=None, *, loss=None, t
     values = [v.value for v in model.trainable_variables]
     states = [v.value for v in model.non_trainable_variables]
     try:
-        norms, gram_matrix, seeds = _statistics_function(problem, gram)(values, states, x, y, sample_weight)
+        norms, scale, gram_matrix, seeds = _statistics_function(problem, gram)(
+            values, states, x, y, sample_weight
+        )
     except Unsupported as error:
         _log_once(problem, f"per_example_statistics uses the materialized path: {error}")
         grads = per_example_gradients(model, x, y, sample_weight, loss=loss, training=training)
         return ExampleStatistics.from_gradients(grads, gram=gram)
     for position, state in zip(problem.seed_positions, seeds):
         model.non_trainable_variables[position].assign(state)
-    return ExampleStatistics(norms, gram_matrix)
+    return ExampleStatistics(norms, gram_matrix, scale=scale)
 
 
 def _log_once(problem, message):

@@ -130,11 +130,11 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     with statistics._context(problem, trainable_values, non_trainable):
         stats, rows, size = None, None, batch_size
         if any(step.map_reads_statistics for step in steps):
-            stats = ExampleStatistics(layers.squared_norms(batch_size))
+            norms, scale = layers.squared_norms(batch_size)
+            stats = ExampleStatistics(norms, scale=scale)
             # Every example counts, also those a step drops or scales to zero: its gradient
-            # is finite if its norms are (a squared norm also overflows for entries above
-            # ~1e19, which the materialized path would let through: a louder failure).
-            finite.append(ops.all(ops.isfinite(stats.squared_norms)))
+            # is finite if its norms are.
+            finite.append(ops.all(stats.finite))
         for step in steps:
             mapping = step.row_map(stats, size)
             stats = None if stats is None else mapping.statistics(stats)

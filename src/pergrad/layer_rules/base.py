@@ -32,11 +32,13 @@ prepended, so that row i is always what example i's call saw.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import keras
 from keras import ops
 
 from pergrad import compat
+from pergrad.aggregators.base import row_scales
 from pergrad.backend import adapter
 
 _RULES: dict[type, LayerRule] = {}
@@ -46,18 +48,26 @@ _NAMED_RULES: dict[str, type] = {}
 
 # Values of the model's other variables while the engine computes statistics:
 # a layer recomputed by :func:`per_example_vjp` may read them (a frozen moving
-# mean), and Keras's JAX step has emptied the variables themselves.
-_CONTEXT: list = []
+# mean), and Keras's JAX step has emptied the variables themselves. Per thread:
+# models trained concurrently in threads each see their own.
+_CONTEXT = threading.local()
+
+
+def _context_stack() -> list:
+    if not hasattr(_CONTEXT, "stack"):
+        _CONTEXT.stack = []
+    return _CONTEXT.stack
 
 
 @contextlib.contextmanager
 def variable_values(pairs):
     """Makes ``(variable, value)`` pairs what :func:`per_example_vjp`'s layer calls read."""
-    _CONTEXT.append(list(pairs))
+    stack = _context_stack()
+    stack.append(list(pairs))
     try:
         yield
     finally:
-        _CONTEXT.pop()
+        stack.pop()
 
 
 def register_rule(layer_class: type | str):
@@ -205,6 +215,20 @@ class LayerRule:
         """``(B,)`` squared norms of example i's gradient, one per variable."""
         return [ops.sum(ops.square(_rows(g)), axis=1) for g in self.per_example(layer, values, inputs, delta)]
 
+    def scaled_squared_norms(self, layer, values, inputs, delta):
+        """``(norms, scales)``: :meth:`squared_norms` of example i's gradients divided by
+        ``scales[m][i]`` (``(B,)`` each), computed so that none overflows float32.
+
+        The engine calls it only for a batch in which a squared norm overflowed. By
+        default ``delta`` is divided by each example's largest entry: a gradient is
+        linear in ``delta`` (it is the vjp of the layer with ``delta``), so the norms
+        scale exactly. Rules whose gradients are also linear in ``inputs`` divide
+        those too (:class:`PreActivationRule`).
+        """
+        scale = row_scales(delta)
+        norms = self.squared_norms(layer, values, inputs, divide_rows(delta, scale))
+        return norms, [scale] * len(norms)
+
     def gram(self, layer, values, inputs, delta):
         """``(B, B)``: ``<g_i, g_j>`` summed over the rule's variables."""
         rows = [_rows(g) for g in self.per_example(layer, values, inputs, delta)]
@@ -250,7 +274,8 @@ class LayerRule:
 
 def context_values() -> list:
     """The ``(variable, value)`` pairs of :func:`variable_values` (empty outside the engine)."""
-    return list(_CONTEXT[-1]) if _CONTEXT else []
+    stack = _context_stack()
+    return list(stack[-1]) if stack else []
 
 
 def per_example_vjp(function, variables, values, inputs, delta) -> list:
@@ -335,6 +360,11 @@ def _is_float(tensor) -> bool:
     return "float" in keras.backend.standardize_dtype(tensor.dtype)
 
 
+def divide_rows(tensor, scales):
+    """Example i's rows of ``tensor`` (batch first) divided by ``scales[i]``."""
+    return tensor / ops.reshape(ops.cast(scales, tensor.dtype), (-1,) + (1,) * (len(tensor.shape) - 1))
+
+
 def _batch_of_one(tensor):
     return ops.expand_dims(tensor, 1)
 
@@ -383,6 +413,17 @@ class PreActivationRule(LayerRule):
             out = call(*args, **kwargs)
         out = probe(out)
         return out if activation is None else activation(out)
+
+    def scaled_squared_norms(self, layer, values, inputs, delta):
+        # Every variable but the bias has a gradient linear in the inputs too (the
+        # kernel's is A_i^T D_i): divide both, the bias's norm scales with D's only.
+        scale = row_scales(delta)
+        input_scale = row_scales(inputs) if "float" in str(inputs.dtype) else ops.ones_like(scale)
+        norms = self.squared_norms(
+            layer, values, divide_rows(inputs, input_scale), divide_rows(delta, scale)
+        )
+        bias = getattr(layer, "bias", None)
+        return norms, [scale if v is bias else scale * input_scale for v in self.variables(layer)]
 
     def pre_activation(self, layer, inputs):
         """The layer's output before its activation, from a batched call."""

@@ -23,9 +23,11 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from pergrad.aggregators.base import row_scales
 from pergrad.layer_rules.base import (
     LayerRule,
     OutputRule,
+    divide_rows,
     joined_slots,
     register_rule,
     replaced_attribute,
@@ -171,6 +173,15 @@ if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras >= 3.13; keras-hub's s
             if not _reverse(inputs, delta):
                 return super().squared_norms(layer, values, inputs, delta)
             return [outer_squared_norms(inputs, delta)]
+
+        def scaled_squared_norms(self, layer, values, inputs, delta):
+            if not _reverse(inputs, delta):
+                return super().scaled_squared_norms(layer, values, inputs, delta)
+            # D_i^T h_i is linear in h too: both divided, as for Dense.
+            scale, input_scale = row_scales(delta), row_scales(inputs)
+            norms = self.squared_norms(layer, values, divide_rows(inputs, input_scale),
+                                       divide_rows(delta, scale))
+            return norms, [scale * input_scale]
 
         def gram(self, layer, values, inputs, delta):
             if not _reverse(inputs, delta):

@@ -7,7 +7,9 @@ import warnings
 
 import keras
 
+from pergrad import replicas
 from pergrad.privacy.accounting import epsilon, make_accountant, steps_within_budget
+from pergrad.privacy.dp_sgd import UNLIMITED_STEPS
 from pergrad.privacy.validation import check_accountant_matches, validate_model_for_dp
 
 
@@ -49,9 +51,10 @@ class PrivacyAccountant(keras.callbacks.Callback):
     total step count as an uninterrupted one. A ``fit`` that starts with the
     budget already spent raises :class:`PrivacyBudgetExhaustedError` before
     its first step (checked again at the first batch, after any restore).
-    With ``steps_per_execution > 1`` Keras reports batches in groups, so the
-    check happens only between groups: keep ``steps_per_execution=1`` for an
-    exact stop.
+    The budget also holds inside a group of ``steps_per_execution > 1`` steps,
+    which Keras runs without calling back in between: for the fit, the callback
+    sets the DP rule's ``step_limit``, and the train step applies no update (and
+    counts no step) once the rule's step count has reached it.
 
     A restore discards the steps taken after the backup it restores; they are
     not counted. If the weights or outputs of such discarded steps were
@@ -131,6 +134,14 @@ class PrivacyAccountant(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._check_model()
+        grouped = getattr(self.model, "steps_per_execution", 1) > 1
+        if self.max_epsilon is not None and grouped and replicas.count(self.model) > 1:
+            raise ValueError(
+                "PrivacyAccountant(max_epsilon=...) cannot enforce the budget inside a group of "
+                f"steps_per_execution={self.model.steps_per_execution} steps on several replicas "
+                "(a tf.distribute train step cannot skip the optimizer's all-reduce): compile "
+                "with steps_per_execution=1."
+            )
         if self.max_epsilon is not None:
             self.max_steps = steps_within_budget(
                 self.max_epsilon, self.delta, self.noise_multiplier, self.sampling_rate, self.accountant
@@ -138,6 +149,16 @@ class PrivacyAccountant(keras.callbacks.Callback):
         self._first_batch = True
         self._check_budget()
         self._read_steps()
+        self._set_step_limit(self.max_steps)
+
+    def on_train_end(self, logs=None):
+        self._set_step_limit(None)
+
+    def _set_step_limit(self, steps: int | None) -> None:
+        """The DP rule's ``step_limit`` for this fit (``None``: no limit)."""
+        aggregator = getattr(self.model, "aggregator", None)
+        if getattr(aggregator, "differentially_private", False) and aggregator.built:
+            aggregator.step_limit.assign(UNLIMITED_STEPS if steps is None else min(steps, UNLIMITED_STEPS))
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._first_batch:

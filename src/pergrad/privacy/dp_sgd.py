@@ -24,6 +24,7 @@ from keras import ops
 
 from pergrad import replicas
 from pergrad.aggregators.base import ExampleStatistics, WeightedAggregator
+from pergrad.aggregators.basic import clip_factors
 from pergrad.arguments import check_number
 
 # The noise: _STREAMS keyed randint streams XORed into _BITS-bit words, three
@@ -32,6 +33,8 @@ from pergrad.arguments import check_number
 _STREAMS = 5
 _BITS = 24
 _KEY_BITS = 31
+#: ``DPGaussian.step_limit`` without a budget.
+UNLIMITED_STEPS = 2**31 - 1
 
 
 def normal_from_words(words):
@@ -121,8 +124,9 @@ class DPGaussian(WeightedAggregator):
     sees it (:func:`zero_non_finite_examples`, in one place whatever the
     rule): the example contributes nothing, which is within the sensitivity
     bound, whereas a NaN update would reveal without noise that such an
-    example was in the batch. An example whose squared norm overflows gets
-    clipping factor 0 here. Call :func:`zero_non_finite_examples` yourself
+    example was in the batch. A finite example whose squared norm overflows
+    float32 is clipped like any other (norms are computed with a per-example
+    scale). Call :func:`zero_non_finite_examples` yourself
     when you apply the rule outside ``PerExampleModel``.
 
     **Where it may be used.** Only as the model's aggregator: a DP rule inside
@@ -224,7 +228,24 @@ class DPGaussian(WeightedAggregator):
             shape=(_STREAMS, 2), initializer="zeros", dtype="int32", trainable=False, name="noise_key"
         )
         self.noise_key.assign(self._pending_key)
+        # The step count the privacy budget stops at (set by PrivacyAccountant for a
+        # fit, unlimited otherwise): a variable, so that a compiled group of
+        # `steps_per_execution` steps reads it at every step. Never saved: a budget
+        # belongs to the accountant, not to the weights.
+        self.step_limit = self.add_weight(
+            shape=(), initializer=keras.initializers.Constant(UNLIMITED_STEPS), dtype="int32",
+            trainable=False, name="step_limit",
+        )
         self.built = True
+
+    def update_allowed(self):
+        """Whether the privacy budget allows this step: ``step_count < step_limit``.
+
+        The train step reads it before the step and applies the update (and
+        counts the step) only if it is true, so that a budget holds inside a
+        group of ``steps_per_execution`` steps too.
+        """
+        return ops.less(self.step_count.value, self.step_limit.value)
 
     def save_own_variables(self, store):
         # The step count only: the key must not reach files, weights or backups.
@@ -254,11 +275,11 @@ class DPGaussian(WeightedAggregator):
 
     def clip_factors(self, stats: ExampleStatistics):
         """``min(1, threshold / norm)``: ``(B,)`` flat, ``(B, V)`` per layer."""
-        flat_norms = ops.sqrt(ops.cast(stats.flat_squared_norms, "float32"))
+        flat_norms = ops.cast(stats.flat_norms, "float32")
         if self.per_layer:
-            variables = stats.squared_norms.shape[1]
+            variables = stats.scaled_squared_norms.shape[1]
             threshold = self.l2_norm_clip / math.sqrt(variables)
-            norms = ops.sqrt(ops.cast(stats.squared_norms, "float32"))
+            norms = ops.cast(stats.norms, "float32")
             clipped = ops.any(norms > threshold, axis=1)
         else:
             threshold = self.l2_norm_clip
@@ -277,9 +298,8 @@ class DPGaussian(WeightedAggregator):
             count = ops.maximum(sums[0], 1.0)
             self.report("clipped_fraction", sums[1] / count)
             self.report("gradient_norm", sums[2] / count)
-        # An overflowing norm (inf) gives factor 0, a NaN norm too: that example
-        # adds nothing.
-        factors = threshold / ops.maximum(norms, threshold)
+        # A NaN norm gives factor 0 (an infinite one does already): that example adds nothing.
+        factors = clip_factors(norms, threshold)
         return ops.where(ops.isnan(factors), 0.0, factors)
 
     def example_weights(self, stats: ExampleStatistics):
@@ -300,7 +320,8 @@ class DPGaussian(WeightedAggregator):
 
     def finalize(self, result: list, stats: ExampleStatistics) -> list:
         step = self.step_count.value
-        self.step_count.assign(step + 1)
+        # A step past the budget's limit is not applied (update_allowed), nor counted.
+        self.step_count.assign(step + ops.cast(ops.less(step, self.step_limit.value), "int32"))
         if self.noise_multiplier == 0:
             return result
         denominator = self._denominator(stats)  # the weights' denominator
