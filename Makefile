@@ -6,10 +6,11 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo test bench bench-peers lint clean
 
-$(BIN)/.installed: pyproject.toml requirements-dev.txt
+$(BIN)/.installed: pyproject.toml requirements-dev.txt requirements-keras-hub.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps -r requirements-keras-hub.txt
 	touch $@
 
 install: $(BIN)/.installed

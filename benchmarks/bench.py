@@ -26,19 +26,30 @@ SGD(0.01)); ``mlp<B>`` / ``cnn<B>`` / ``tfm<B>`` at any batch size B:
   Embedding(64, 64) -> MultiHeadAttention(2 heads, key_dim 32) + residual ->
   LayerNormalization -> Dense(128, relu) -> Dense(64) + residual ->
   LayerNormalization -> GlobalAveragePooling1D -> Dense(10), at batch 64.
+- ``gpt8`` (``--suite lm``): a GPT-2-style language model, keras-hub's
+  ``GPT2CausalLM`` (``GPT2Backbone``, no preprocessor) from constructor arguments:
+  vocabulary 8192, T = 128, hidden 64, 2 layers of 2 heads, MLP 256, no
+  dropout; the LM head is the token embedding, tied (``ReversibleEmbedding``);
+  per-token loss, at batch 8;
+- ``lora8`` (``--suite lm``): the same model after ``backbone.enable_lora(4)``
+  (only the LoRA factors of the query and value projections are trained).
+  Both need keras-hub (a dev requirement); the hand-written recipes and Opacus
+  have no rows for them.
   On TensorFlow the run sets ``TF_ENABLE_ONEDNN_OPTS=0`` (unless already set)
-  whenever a ``tfm`` model is in it: TF 2.21's oneDNN kernels corrupt memory
-  in the hand-written recipes' vectorized attention (README, Limitations;
-  pergrad's own passes avoid it). The header says which.
+  whenever a ``tfm``, ``gpt`` or ``lora`` model is in it: TF 2.21's oneDNN
+  kernels corrupt memory in the hand-written recipes' vectorized attention
+  (README, Limitations; pergrad's own passes avoid it). The header says which.
 
 ``--quick`` (smoke test): ``mlp16``, ``cnn16`` and ``tfm8``, the variants plain,
 vmap clip, pergrad median, pergrad clip and pergrad krum (and the Opacus pair
 on torch), 2 rounds (others with ``--variants``).
 
 Suites (``--suite``): ``default`` is the list above (the recipes x
-``--aggregations``); ``coordinate`` is issue 10's coordinate rules on ``mlp64``,
-``mlp256`` and ``cnn64`` (``--quick``: ``mlp16``, ``cnn16``): plain, jacobian
-median (the CNN and MLPs up to B=64: on mlp256 it took 4-9 s per step),
+``--aggregations``); ``lm`` is ``gpt8`` and ``lora8`` with plain, pergrad mean,
+clip and dp, and pergrad-mat clip (``--quick``: ``gpt2`` and ``lora2``);
+``coordinate`` is issue 10's coordinate rules on ``mlp64``, ``mlp256`` and
+``cnn64`` (``--quick``: ``mlp16``, ``cnn16``): plain, jacobian median (the CNN
+and MLPs up to B=64: on mlp256 it took 4-9 s per step),
 pergrad-mat median, and pergrad median, trimmed, meamed, signs, bucketmedian,
 clipmedian on the default path; with ``--memory`` only plain and the two median
 rows are measured for memory (``--memory-variants`` chooses others).
@@ -141,6 +152,11 @@ measured peak; ``pergrad-mat median`` is shown beside it). Then the default
 path against the materialized one (``pergrad-mat``) for every rule with both
 rows, and the earlier pergrad / raw vmap comparison.
 
+The language models' goals (issue 17): clip and dp <= 1.5x plain on TensorFlow
+and JAX, <= 2x on torch, and their peak memory <= 1.2x plain's, with no
+``B x vocabulary x hidden`` tensor (the goals print that tensor's size beside
+the step's share over plain's).
+
 ``--json FILE`` writes the rows (the plain row also carries the model's
 ``batch``, ``parameters`` and ``largest_variable``) with the header's facts
 (``backend``, ``versions``, ``options``, ``source`` commit, ``suite``,
@@ -200,7 +216,7 @@ def disable_onednn_for_attention(options):
         models = options.models.split(",")
     else:
         models = suite_models(options.suite, options.quick)
-    if any(m.strip().startswith("tfm") for m in models):
+    if any(m.strip().startswith(("tfm", "gpt", "lora")) for m in models):
         os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
@@ -243,13 +259,18 @@ QUICK_MODELS = ("mlp16", "cnn16", "tfm8")
 #: ``--suite coordinate``: issue 10's coordinate rules (quick: the second tuple)
 COORDINATE_MODELS = ("mlp64", "mlp256", "cnn64")
 COORDINATE_QUICK_MODELS = ("mlp16", "cnn16")
-SUITES = ("default", "coordinate")
+#: ``--suite lm``: issue 17's language models (keras-hub)
+LM_MODELS = ("gpt8", "lora8")
+LM_QUICK_MODELS = ("gpt2", "lora2")
+SUITES = ("default", "coordinate", "lm")
 
 
 def suite_models(suite: str, quick: bool) -> tuple[str, ...]:
     """The models a run takes when ``--models`` is not given."""
     if suite == "coordinate":
         return COORDINATE_QUICK_MODELS if quick else COORDINATE_MODELS
+    if suite == "lm":
+        return LM_QUICK_MODELS if quick else LM_MODELS
     return QUICK_MODELS if quick else DEFAULT_MODELS
 
 PROCESS = process_options() if __name__ == "__main__" else process_options([])
@@ -286,10 +307,11 @@ QUICK_OPACUS = ("opacus clip", "opacus-plain")
 
 def parse_model(key: str):
     """``"mlp64"`` -> ``("mlp", 64)``: the architecture and the batch size."""
-    match = re.fullmatch(r"(mlp|cnn|tfm)(\d+)", key)
+    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora)(\d+)", key)
     if not match:
         raise ValueError(
-            f"unknown model {key!r}: use mlp<batch>, cnn<batch> or tfm<batch>, e.g. mlp64, tfm64"
+            f"unknown model {key!r}: use mlp<batch>, cnn<batch>, tfm<batch>, gpt<batch> or "
+            "lora<batch>, e.g. mlp64, tfm64, gpt8"
         )
     return match.group(1), int(match.group(2))
 
@@ -312,6 +334,11 @@ SEED = 0
 LEARNING_RATE = 0.01
 # the transformer classifier
 VOCAB, SEQUENCE, WIDTH, HEADS, KEY_DIM, FFN, CLASSES = 1000, 64, 64, 2, 32, 128, 10
+# the GPT-2-style language model (keras-hub) and its LoRA variant
+LM_KINDS = ("gpt", "lora")
+LM_VOCAB, LM_SEQUENCE, LM_WIDTH, LM_LAYERS, LM_HEADS, LM_FFN, LORA_RANK = 8192, 128, 64, 2, 2, 256, 4
+#: ``--suite lm``'s rows: the aggregations the language models' goals are about
+LM_VARIANTS = ("plain", "pergrad mean", "pergrad clip", "pergrad dp", "pergrad-mat clip")
 
 #: whether this checkout's PerExampleModel can be told which engine path to take
 HAS_PATH = "path" in inspect.signature(pergrad.PerExampleModel.__init__).parameters
@@ -324,6 +351,8 @@ def build_model(kind: str) -> keras.Model:
     keras.utils.set_random_seed(SEED)  # every variant starts from the same weights
     if kind == "tfm":
         return build_transformer()
+    if kind in LM_KINDS:
+        return build_language_model(lora=kind == "lora")
     if kind == "mlp":
         layers = [
             keras.Input((784,)),
@@ -363,8 +392,28 @@ def build_transformer() -> keras.Model:
     return keras.Model(tokens, logits, name="tfm")
 
 
+def build_language_model(lora: bool) -> keras.Model:
+    """keras-hub's GPT-2 causal LM (its head the tied token embedding), from constructor
+    arguments; with ``lora``, ``backbone.enable_lora(LORA_RANK)``."""
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=LM_VOCAB, num_layers=LM_LAYERS, num_heads=LM_HEADS, hidden_dim=LM_WIDTH,
+        intermediate_dim=LM_FFN, max_sequence_length=LM_SEQUENCE, dropout=0.0,
+    )
+    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None,
+                                          name="lora" if lora else "gpt")
+    if lora:
+        backbone.enable_lora(LORA_RANK)
+    return model
+
+
 def make_data(kind: str, batch_size: int):
     rng = np.random.default_rng(SEED)
+    if kind in LM_KINDS:  # next-token prediction on random tokens
+        tokens = rng.integers(0, LM_VOCAB, size=(batch_size, LM_SEQUENCE + 1)).astype("int32")
+        x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((batch_size, LM_SEQUENCE), "int32")}
+        return keras.tree.map_structure(ops.convert_to_tensor, x), ops.convert_to_tensor(tokens[:, 1:])
     if kind == "tfm":
         x = rng.integers(0, VOCAB, size=(batch_size, SEQUENCE)).astype("int32")
     else:
@@ -712,6 +761,8 @@ def unsupported(name: str, kind: str) -> str | None:
         return f"unknown aggregation {aggregation!r}"
     if recipe in HAND_AGGREGATED and aggregation not in RECIPE_AGGREGATE:
         return f"no {recipe} recipe for {aggregation}"
+    if recipe in HAND_AGGREGATED and kind in LM_KINDS:
+        return f"the {recipe} recipe is written for one label per example"
     if recipe in ("pergrad-mat", "pergrad-stats") and not HAS_PATH:
         return "this checkout's PerExampleModel has no path= argument"
     if recipe not in HAND_AGGREGATED + ("pergrad", "pergrad-mat", "pergrad-stats"):
@@ -890,6 +941,8 @@ def bench_model(key, args, log):
         names = args.variants
     elif args.suite == "coordinate":
         names = coordinate_variants(key)
+    elif kind in LM_KINDS:
+        names = [name for name in LM_VARIANTS if not unsupported(name, kind)]
     else:
         names = variant_names(args.aggregations, args.recipes, kind)
     if "plain" not in names:
@@ -1072,6 +1125,8 @@ def find(rows, model, variant, field="ratio"):
 
 #: issue 9 section 4: the largest ratio to a plain Keras step, per model kind
 STATISTICS_GOALS = {"mlp": 1.3, "cnn": 1.3, "tfm": 1.5}
+#: issue 17: the language models' largest clip / dp ratio, per backend
+LM_GOALS = {"tensorflow": 1.5, "jax": 1.5, "torch": 2.0}
 ROBUST_GOAL = 1.5  # krum, geomed, normfilter on the MLP (stated at B=256)
 MEAN_GOAL = 1.1
 MEMORY_GOAL = 1.2  # peak of clip / dp over the plain step's peak
@@ -1091,8 +1146,8 @@ def goals(rows):
     out = []
     models = list(dict.fromkeys(row["model"] for row in rows))
     for model in models:
-        kind, _ = parse_model(model)
-        limit = STATISTICS_GOALS[kind]
+        kind, batch_size = parse_model(model)
+        limit = LM_GOALS[BACKEND] if kind in LM_KINDS else STATISTICS_GOALS[kind]
         for aggregation in ("clip", "dp"):
             pg = find(rows, model, f"pergrad {aggregation}")
             if pg:
@@ -1124,6 +1179,10 @@ def goals(rows):
                            f"plain's (goal <= {MEMORY_GOAL}x): {verdict(pg['peak_ratio'] <= MEMORY_GOAL)}"
                            f"; the step's share {pg['step_mib']:.0f} MiB vs plain's "
                            f"{plain['step_mib']:.0f} MiB")
+                if kind == "gpt":  # the tensor the tied head's statistics must not form
+                    table_mib = batch_size * LM_VOCAB * LM_WIDTH * 4 / 2**20
+                    out.append(f"  (B x vocabulary x hidden float32 = {table_mib:.0f} MiB; the step "
+                               f"takes {pg['step_mib'] - plain['step_mib']:.0f} MiB more than plain's)")
     out += peers.goal_lines(rows, find)
     out += coordinate_goals(rows, models)
     # the default path against the materialized engine (where path= exists)
@@ -1215,9 +1274,10 @@ def main(argv=None):
                         + "; coordinate: issue 10's coordinate rules (plain, jacobian median, "
                         "pergrad-mat median, pergrad " + "/".join(COORDINATE_AGGREGATIONS)
                         + ") on " + ",".join(COORDINATE_MODELS) + " (quick: "
-                        + ",".join(COORDINATE_QUICK_MODELS) + ")")
+                        + ",".join(COORDINATE_QUICK_MODELS) + "); lm: issue 17's language models "
+                        + ",".join(LM_MODELS) + " (keras-hub; quick: " + ",".join(LM_QUICK_MODELS) + ")")
     parser.add_argument("--models", default=None,
-                        help="comma list of mlp<B>/cnn<B>/tfm<B> (default: the suite's)")
+                        help="comma list of mlp<B>/cnn<B>/tfm<B>/gpt<B>/lora<B> (default: the suite's)")
     parser.add_argument("--aggregations", default=",".join(DEFAULT_AGGREGATIONS),
                         help="the default suite's aggregations (default %(default)s; also "
                         + ",".join(a for a in AGGREGATIONS if a not in DEFAULT_AGGREGATIONS) + ")")

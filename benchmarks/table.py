@@ -5,13 +5,15 @@ One ``bench.py`` run per backend (and suite) writes its rows with ``--json``;
 this script reads any number of such files and prints the markdown tables of
 the README's 'Benchmark' section: the speed table (the statistics rules, ratios
 to the plain step), the peak-memory table, the coordinate-rules table (issue 10),
-the coordinate rules' memory table against issue 10's bound, and the DP peers'
+the coordinate rules' memory table against issue 10's bound, the DP peers'
 table (milliseconds of pergrad's clip and DP steps beside TF Privacy's,
-jax-privacy's and Opacus's, ``benchmarks/peers.py``)::
+jax-privacy's and Opacus's, ``benchmarks/peers.py``) and the language
+models' table (``--suite lm``: speed and memory)::
 
     KERAS_BACKEND=tensorflow .venv/bin/python benchmarks/bench.py --json tf.json
     KERAS_BACKEND=tensorflow .venv/bin/python benchmarks/bench.py --suite coordinate \\
         --memory --json tf-coordinate.json
+    KERAS_BACKEND=tensorflow .venv/bin/python benchmarks/bench.py --suite lm --memory --json tf-lm.json
     ... (jax, torch)
     .venv/bin/python benchmarks/table.py tf.json jax.json torch.json tf-coordinate.json ...
 
@@ -74,6 +76,16 @@ PEER_COLUMNS = (
     ("Opacus ghost clip", "opacus clip"),
 )
 PEERS = {"tf-privacy clip", "tf-privacy dp", "jax-privacy dp", "jax-privacy-mb1 dp", "opacus clip"}
+#: (column title, variant, field) of the language models' table: ratios to the plain step's time / peak
+LM_COLUMNS = (
+    ("mean", "pergrad mean", "ratio"),
+    ("clip", "pergrad clip", "ratio"),
+    ("dp_gaussian", "pergrad dp", "ratio"),
+    ("materialized clip", "pergrad-mat clip", "ratio"),
+    ("peak: clip", "pergrad clip", "peak_ratio"),
+    ("peak: dp_gaussian", "pergrad dp", "peak_ratio"),
+)
+LM_KINDS = ("gpt", "lora")
 #: issue 10: the peak of ``median`` <= plain's peak + this many x B x the largest variable floats
 MEDIAN_MEMORY_COPIES = 2
 
@@ -97,9 +109,9 @@ def load(paths):
 def model_order(key):
     """Backends in the README's order, then MLPs, CNNs, transformers by batch size."""
     backend, model = key
-    match = re.fullmatch(r"(mlp|cnn|tfm)(\d+)", model)
+    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora)(\d+)", model)
     kind, batch = (match.group(1), int(match.group(2))) if match else (model, 0)
-    kinds = ("mlp", "cnn", "tfm")
+    kinds = ("mlp", "cnn", "tfm") + LM_KINDS
     return (list(BACKENDS).index(backend) if backend in BACKENDS else len(BACKENDS),
             kinds.index(kind) if kind in kinds else len(kinds), batch, model)
 
@@ -115,10 +127,14 @@ def row_label(backend: str, model: str, seen: set) -> str:
 
 def model_label(model: str, first: bool) -> str:
     """``mlp64`` -> ``MLP 784-256-256-10, B=64`` (the first of its kind per backend) or ``MLP, B=64``."""
-    match = re.fullmatch(r"(mlp|cnn|tfm)(\d+)", model)
+    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora)(\d+)", model)
     if not match:
         return model
     kind, batch = match.group(1), match.group(2)
+    if kind == "gpt":
+        return f"GPT-2 style LM, B={batch}, T=128"
+    if kind == "lora":
+        return f"GPT-2 style LM + LoRA rank 4, B={batch}"
     if kind == "mlp":
         return f"MLP 784-256-256-10, B={batch}" if first else f"MLP, B={batch}"
     if kind == "cnn":
@@ -219,6 +235,25 @@ def memory_table(models):
     return markdown(header, lines) if lines else None
 
 
+def lm_table(models):
+    """The language models: speed and peak-memory ratios to their plain step; plain in ms."""
+    header = ["backend", "model", "plain ms"] + [t for t, _, _ in LM_COLUMNS]
+    lines, seen = [], set()
+    for key in sorted(models, key=model_order):
+        backend, model = key
+        if model.rstrip("0123456789") not in LM_KINDS:
+            continue
+        sources = models[key]
+        cells = []
+        for _, variant, field in LM_COLUMNS:
+            row = pick(sources, variant, field)
+            cells.append(ratio(row[field]) if row else "–")
+        plain = pick(sources, "plain", "ms")
+        lines.append([BACKENDS.get(backend, backend), row_label(backend, model, seen),
+                      f"{plain['ms']:.0f}" if plain else "–"] + cells)
+    return markdown(header, lines) if lines else None
+
+
 def coordinate_memory_table(models):
     """Issue 10's memory goal: the peak of median against plain + 2 x B x largest variable floats."""
     header = ["backend", "model", "plain", "materialized median", "median",
@@ -284,7 +319,7 @@ def describe_runs(runs):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", help="bench.py --json outputs (any backends, suites)")
-    parser.add_argument("--tables", default="speed,memory,coordinate,coordinate-memory,peers",
+    parser.add_argument("--tables", default="speed,memory,coordinate,coordinate-memory,peers,lm",
                         help="which tables, in this order (default %(default)s)")
     args = parser.parse_args(argv)
     models, runs = load(args.files)
@@ -294,6 +329,7 @@ def main(argv=None):
         "coordinate": lambda: ratio_table(models, COORDINATE_COLUMNS),
         "coordinate-memory": lambda: coordinate_memory_table(models),
         "peers": lambda: peers_table(models),
+        "lm": lambda: lm_table(models),
     }
     print("Runs:\n" + describe_runs(runs))
     for name in args.tables.split(","):

@@ -9,11 +9,13 @@ Shapes are tiny on purpose: the suite runs on two CPU cores for three backends.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 import numpy as np
+import pytest
 
 BATCH = 6  # examples per test batch (microbatch tests use a size that does not divide it)
 
@@ -374,6 +376,313 @@ def masked_dense(batch=BATCH, seed=0):
     return problem
 
 
+class TokenAndPositionEmbedding(keras.layers.Layer):
+    """keras.io's "Text classification with Transformer": positions from ``ops.arange``
+    (no batch axis) through a second Embedding."""
+
+    def __init__(self, maxlen, vocab, dim, **kwargs):
+        super().__init__(**kwargs)
+        self.token_emb = keras.layers.Embedding(vocab, dim)
+        self.pos_emb = keras.layers.Embedding(maxlen, dim)
+
+    def call(self, x):
+        positions = keras.ops.arange(0, keras.ops.shape(x)[-1], 1)
+        return self.token_emb(x) + self.pos_emb(positions)
+
+
+class ConstantPositions(keras.layers.Layer):
+    """ViT's pattern: position ids made in ``build()`` with a leading axis of one."""
+
+    def build(self, shape):
+        self.table = keras.layers.Embedding(shape[1], shape[-1])
+        self.table.build((1, shape[1]))
+        self.position_ids = keras.ops.expand_dims(keras.ops.arange(shape[1]), 0)
+
+    def call(self, x):
+        return x + self.table(self.position_ids)
+
+
+class FixedQueries(keras.layers.Layer):
+    """A Dense layer called on a weight (``(T, d)``, no batch axis): learned queries."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.projection = keras.layers.Dense(units)
+
+    def build(self, shape):
+        self.queries = self.add_weight(shape=tuple(shape[1:]), initializer="random_normal",
+                                       trainable=False, name="queries")
+
+    def call(self, x):
+        return x + self.projection(self.queries)
+
+
+def constant_inputs(batch=BATCH, seed=0):
+    """Layers whose inputs do not depend on the example: an Embedding on ``arange``
+    positions (``(T,)``), one on ids made in ``build()`` (``(1, T)``), a Dense on a
+    weight (``(T, d)``). Each example's gradient reads them as broadcast over the batch."""
+    keras.utils.set_random_seed(seed)
+    rng = _rng(seed)
+    inputs = keras.Input((5,), dtype="int32")
+    hidden = TokenAndPositionEmbedding(5, 7, 4)(inputs)
+    hidden = ConstantPositions()(hidden)
+    hidden = FixedQueries(4)(hidden)
+    hidden = keras.layers.Dense(3, activation="tanh")(hidden)
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(hidden))
+    model = keras.Model(inputs, outputs, name="constant_inputs")
+    return Problem(
+        "constant_inputs", model, _labels(rng, 7, batch, 5), _floats(rng, batch, 2), "mse",
+        sample_weight=_sample_weight(rng, batch),
+    )
+
+
+class TransformerBlock(keras.layers.Layer):
+    """keras.io's "Text classification with Transformer" block, as published."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.att = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential(
+            [keras.layers.Dense(ff_dim, activation="relu"), keras.layers.Dense(embed_dim)]
+        )
+        self.layernorm1 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = keras.layers.Dropout(rate)
+        self.dropout2 = keras.layers.Dropout(rate)
+
+    def call(self, inputs):
+        attn_output = self.dropout1(self.att(inputs, inputs))
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.dropout2(self.ffn(out1))
+        return self.layernorm2(out1 + ffn_output)
+
+
+def text_transformer(batch=BATCH, seed=0, rate=0.0):
+    """keras.io's "Text classification with Transformer" (token and ``arange`` position
+    embeddings, one block, pooling, two Dense layers; ``rate`` its dropout, 0.1 there),
+    in a tiny size."""
+    keras.utils.set_random_seed(seed)
+    rng = _rng(seed)
+    maxlen, vocab, dim = 6, 20, 4
+    inputs = keras.Input((maxlen,))
+    hidden = TokenAndPositionEmbedding(maxlen, vocab, dim)(inputs)
+    hidden = TransformerBlock(dim, 2, 8, rate)(hidden)
+    hidden = keras.layers.Dropout(rate)(keras.layers.GlobalAveragePooling1D()(hidden))
+    hidden = keras.layers.Dropout(rate)(keras.layers.Dense(5, activation="relu")(hidden))
+    outputs = keras.layers.Dense(2, activation="softmax")(hidden)
+    model = keras.Model(inputs, outputs, name="text_transformer")
+    return Problem(
+        "text_transformer", model, _labels(rng, vocab, batch, maxlen).astype("float32"),
+        _labels(rng, 2, batch), "sparse_categorical_crossentropy", sample_weight=_sample_weight(rng, batch),
+    )
+
+
+def _randomized_lora(layer, rng, rank):
+    """``enable_lora(rank)`` with a random ``B`` (Keras starts it at zero, where ``A``'s
+    gradient vanishes and a wrong formula for it would pass)."""
+    layer.enable_lora(rank)
+    layer.lora_kernel_b.assign(rng.normal(size=layer.lora_kernel_b.shape).astype("float32"))
+
+
+def lora(batch=BATCH, seed=0):
+    """LoRA-enabled Dense (2-D and sequence input, one with its kernel trainable again)
+    and EinsumDense (an attention-style projection)."""
+    keras.utils.set_random_seed(seed)
+    rng = _rng(seed)
+    inputs = keras.Input((3, 4))
+    sequence = keras.layers.Dense(5, activation="tanh")
+    heads = keras.layers.EinsumDense("btd,dnh->btnh", output_shape=(3, 2, 3), bias_axes="nh")
+    pooled = keras.layers.Dense(4, activation="tanh")
+    head = keras.layers.Dense(3)
+    hidden = sequence(inputs)
+    hidden = keras.layers.Reshape((3, 6))(heads(hidden))
+    hidden = pooled(keras.layers.GlobalAveragePooling1D()(hidden))
+    model = keras.Model(inputs, head(hidden), name="lora")
+    for layer, rank in ((sequence, 2), (heads, 2), (pooled, 1)):
+        _randomized_lora(layer, rng, rank)
+    pooled.kernel.trainable = True  # LoRA and the full kernel both trained
+    return Problem(
+        "lora", model, _floats(rng, batch, 3, 4), _labels(rng, 3, batch),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sample_weight=_sample_weight(rng, batch),
+    )
+
+
+def reversible_embedding(batch=BATCH, seed=0):
+    """A language model with tied input/output embeddings (``ReversibleEmbedding``, one
+    table read as the embedding and, transposed, as the output layer; its logits soft-
+    capped) and an untied one; per-token loss. Shapes put the tied head on the ghost
+    formula (2 T^2 <= d vocab) and the untied one on formed gradients."""
+    keras.utils.set_random_seed(seed)
+    rng = _rng(seed)
+    steps, vocab = 5, 11
+    tied = keras.layers.ReversibleEmbedding(vocab, 8, logit_soft_cap=3.0)
+    untied = keras.layers.ReversibleEmbedding(vocab, 4, tie_weights=False)
+    inputs = keras.Input((steps,), dtype="int32")
+    hidden = keras.layers.Dense(8, activation="tanh")(tied(inputs))
+    small = keras.layers.Dense(4, activation="tanh")(untied(inputs))
+    logits = tied(hidden, reverse=True) + untied(small, reverse=True)
+    model = keras.Model(inputs, logits, name="reversible_embedding")
+    x = _labels(rng, vocab, batch, steps)
+    x[:, 1] = x[:, 0]  # a repeated token
+    return Problem(
+        "reversible_embedding", model, x, _labels(rng, vocab, batch, steps),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sample_weight=rng.uniform(0.2, 2.0, size=(batch, steps)).astype("float32"),
+    )
+
+
+# --- keras-hub's own layers (the package is optional: these factories import it) -----------
+
+#: Marks a test that builds keras-hub layers (a dev requirement, not one of pergrad's).
+needs_keras_hub = pytest.mark.skipif(importlib.util.find_spec("keras_hub") is None,
+                                     reason="keras-hub is not installed")
+
+KERAS_HUB_NORMS = [  # (path under keras_hub.src.models, class name, constructor arguments)
+    ("llama.llama_layernorm", "LlamaLayerNorm", {}),
+    ("mistral.mistral_layer_norm", "MistralLayerNormalization", {}),
+    ("mixtral.mixtral_layer_norm", "MixtralLayerNormalization", {}),
+    ("phi3.phi3_layernorm", "Phi3LayerNorm", {}),
+    ("qwen.qwen_layernorm", "QwenLayerNorm", {}),
+    ("qwen3.qwen3_layernorm", "Qwen3LayerNorm", {}),
+    ("t5.t5_layer_norm", "T5LayerNorm", {}),
+    ("gemma.rms_normalization", "RMSNormalization", {}),
+    ("gemma3.gemma3_layers", "RMSNormalization", {}),
+]
+
+
+def keras_hub_text(batch=BATCH, seed=0):
+    """keras-hub's token embedding (tied), ``PositionEmbedding`` and every RMS norm
+    pergrad has a rule for, with random scales, as in a small decoder."""
+    import importlib
+
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    rng = _rng(seed)
+    steps, vocab, dim = 5, 13, 6
+    tokens = keras_hub.layers.ReversibleEmbedding(vocab, dim)
+    inputs = keras.Input((steps,), dtype="int32")
+    hidden = tokens(inputs)
+    hidden = hidden + keras_hub.layers.PositionEmbedding(sequence_length=7)(hidden)
+    norms = [keras_hub.layers.RMSNormalization(dim)]
+    for module, name, kwargs in KERAS_HUB_NORMS:
+        norms.append(getattr(importlib.import_module(f"keras_hub.src.models.{module}"), name)(**kwargs))
+    for norm in norms:
+        hidden = keras.layers.Dense(dim)(norm(hidden))
+    model = keras.Model(inputs, tokens(hidden, reverse=True), name="keras_hub_text")
+    for norm in norms:
+        (scale,) = norm.trainable_variables
+        scale.assign(rng.uniform(0.5, 1.5, size=scale.shape).astype("float32"))
+    return Problem(
+        "keras_hub_text", model, _labels(rng, vocab, batch, steps), _labels(rng, vocab, batch, steps),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sample_weight=rng.uniform(0.2, 2.0, size=(batch, steps)).astype("float32"),
+    )
+
+
+def keras_hub_patches(batch=BATCH, seed=0):
+    """keras-hub ViT's patch embedding: a class token, a Conv2D, constant position ids."""
+    from keras_hub.src.models.vit.vit_layers import ViTPatchingAndEmbedding
+
+    keras.utils.set_random_seed(seed)
+    rng = _rng(seed)
+    inputs = keras.Input((4, 4, 3))
+    hidden = ViTPatchingAndEmbedding(image_size=(4, 4), patch_size=(2, 2), hidden_dim=4)(inputs)
+    hidden = keras.layers.Dense(3, activation="tanh")(hidden)
+    outputs = keras.layers.Dense(3)(keras.layers.Flatten()(hidden))
+    model = keras.Model(inputs, outputs, name="keras_hub_patches")
+    return Problem(
+        "keras_hub_patches", model, _floats(rng, batch, 4, 4, 3), _labels(rng, 3, batch),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sample_weight=_sample_weight(rng, batch),
+    )
+
+
+def _token_inputs(rng, batch, steps, vocab, padded=True):
+    ids = _labels(rng, vocab, batch, steps)
+    mask = np.ones((batch, steps), "int32")
+    if padded:
+        mask[::2, -2:] = 0  # padded examples: the attention mask differs between examples
+    return {"token_ids": ids, "padding_mask": mask}
+
+
+def _language_model(name, task, backbone, batch, rng, steps, vocab):
+    """A causal LM from keras-hub (no preprocessor: token ids in, logits out), per-token loss."""
+    model = task(backbone=backbone, preprocessor=None, name=name)
+    return Problem(
+        name, model, _token_inputs(rng, batch, steps, vocab), _labels(rng, vocab, batch, steps),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sample_weight=rng.uniform(0.2, 2.0, size=(batch, steps)).astype("float32"),
+    )
+
+
+def bert_classifier(batch=BATCH, seed=0):
+    """keras-hub BERT (an encoder: token, segment and position embeddings, attention) and a
+    classification head."""
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    rng = _rng(seed)
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8,
+                                             intermediate_dim=16, max_sequence_length=8, dropout=0.0)
+    model = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=3, preprocessor=None,
+                                                dropout=0.0, name="bert_classifier")
+    x = _token_inputs(rng, batch, 8, 50)
+    x["segment_ids"] = np.repeat(np.array([[0] * 5 + [1] * 3], "int32"), batch, axis=0)
+    return Problem(
+        "bert_classifier", model, x, _labels(rng, 3, batch),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sample_weight=_sample_weight(rng, batch),
+    )
+
+
+def gpt2_lm(batch=BATCH, seed=0):
+    """keras-hub GPT-2 (a decoder whose LM head is its token embedding, tied)."""
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=60, num_layers=1, num_heads=2, hidden_dim=8,
+                                             intermediate_dim=16, max_sequence_length=8, dropout=0.0)
+    return _language_model("gpt2_lm", keras_hub.models.GPT2CausalLM, backbone, batch, _rng(seed), 8, 60)
+
+
+def llama_lm(batch=BATCH, seed=0):
+    """keras-hub Llama: rotary positions, RMS norms, grouped-query attention (4 query heads,
+    2 key/value heads), an untied LM head."""
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.LlamaBackbone(vocabulary_size=60, num_layers=1, num_query_heads=4,
+                                              num_key_value_heads=2, hidden_dim=8, intermediate_dim=16)
+    return _language_model("llama_lm", keras_hub.models.LlamaCausalLM, backbone, batch, _rng(seed), 8, 60)
+
+
+def vit_classifier(batch=BATCH, seed=0):
+    """keras-hub ViT: patches, a class token, constant position ids, an encoder block."""
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    rng = _rng(seed)
+    backbone = keras_hub.models.ViTBackbone(image_shape=(8, 8, 3), patch_size=4, num_layers=1, num_heads=2,
+                                            hidden_dim=8, mlp_dim=16)
+    model = keras_hub.models.ViTImageClassifier(backbone=backbone, num_classes=3, preprocessor=None,
+                                                dropout=0.0, name="vit_classifier")
+    return Problem(
+        "vit_classifier", model, _floats(rng, batch, 8, 8, 3), _labels(rng, 3, batch),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sample_weight=_sample_weight(rng, batch),
+    )
+
+
+#: keras-hub's layers, for the shared per-layer tests
+KERAS_HUB_PROBLEMS = {factory.__name__: factory for factory in (keras_hub_text, keras_hub_patches)}
+#: keras-hub's architectures (test_keras_hub.py)
+KERAS_HUB_MODELS = {
+    factory.__name__: factory for factory in (bert_classifier, gpt2_lm, llama_lm, vit_classifier)
+}
+
+
 PROBLEMS = {
     factory.__name__: factory
     for factory in (
@@ -391,9 +700,13 @@ PROBLEMS = {
         sequence_output,
         masked,
         masked_dense,
+        constant_inputs,
+        text_transformer,
+        lora,
+        reversible_embedding,
     )
 }
 
 
 def make(name: str, **kwargs) -> Problem:
-    return PROBLEMS[name](**kwargs)
+    return {**PROBLEMS, **KERAS_HUB_PROBLEMS, **KERAS_HUB_MODELS}[name](**kwargs)

@@ -15,7 +15,9 @@ import pergrad
 import problems
 
 BACKEND = keras.backend.backend()
-NAMES = list(problems.PROBLEMS)
+NAMES = list(problems.PROBLEMS) + [
+    pytest.param(name, marks=problems.needs_keras_hub) for name in problems.KERAS_HUB_PROBLEMS
+]
 
 
 def _numpy(grads):

@@ -146,7 +146,10 @@ LOCAL = {f.__name__: f
          for f in (dense_sequence, convolutions, conv_sequence, transformer, shared_and_fallback)}
 # gru: a recurrent layer is planned as one call (its cell runs in a graph loop).
 NAMES = sorted(LOCAL) + ["dense_mlp", "conv1d", "embedding", "layer_norm", "gru", "multi_output",
-                          "masked_dense", "sequence_output", "subclassed"]
+                          "masked_dense", "sequence_output", "subclassed", "constant_inputs", "lora",
+                          "reversible_embedding"] + [
+    pytest.param(name, marks=problems.needs_keras_hub) for name in problems.KERAS_HUB_PROBLEMS
+]
 
 
 def _problem(name):
@@ -183,6 +186,8 @@ def test_norms_gram_and_weighted_sums_match_the_materialized_path(name, caplog):
     with caplog.at_level(logging.WARNING, logger="pergrad"):
         stats = pergrad.per_example_statistics(model, problem.x, problem.y, problem.sample_weight, gram=True)
     assert "materialized path" not in caplog.text, caplog.text  # the statistics path ran
+    if name not in ("gru", "shared_and_fallback"):
+        assert "no layer rule" not in caplog.text, caplog.text  # every layer has its rule
     grads = pergrad.per_example_gradients(model, problem.x, problem.y, problem.sample_weight)
     expected = ExampleStatistics.from_gradients(grads, gram=True)
     for actual, reference in ((stats.squared_norms, expected.squared_norms), (stats.gram, expected.gram)):
@@ -249,11 +254,14 @@ RULES = {
 }
 
 
-@pytest.mark.parametrize("rule", sorted(RULES))
-def test_every_statistics_rule_trains_as_on_the_materialized_path(rule, monkeypatch):
+# constant_inputs: `arange` positions, ids made in `build()`, a Dense layer on a weight,
+# broadcast over the batch through fit() (the per-example pass, not one batched pass).
+@pytest.mark.parametrize("name, rule", [("dense_mlp", rule) for rule in sorted(RULES)]
+                         + [("constant_inputs", "clip"), ("constant_inputs", "dp_noise_0")])
+def test_every_statistics_rule_trains_as_on_the_materialized_path(name, rule, monkeypatch):
     results = []
     for path in ("materialized", "statistics"):
-        problem = problems.make("dense_mlp")
+        problem = problems.make(name)
         wrapper = pergrad.PerExampleModel(problem.model, RULES[rule](), path=path)
         problem.compile(wrapper, optimizer=keras.optimizers.SGD(0.3))
         if path == "statistics":
@@ -377,3 +385,25 @@ def test_inputs_made_in_build_on_the_vectorized_forward_pass():
     stats = pergrad.per_example_statistics(model, x, y)
     np.testing.assert_allclose(ops.convert_to_numpy(stats.squared_norms),
                                ops.convert_to_numpy(expected.squared_norms), rtol=1e-5, atol=1e-6)
+
+
+def test_a_tied_table_whose_squared_norm_overflows_has_its_norm():
+    """One example's embedding and LM-head pieces of a tied table are ~1e19 (finite, their
+    squares not): the norm of their sum from the rescaled factors, as from the formed
+    gradients in float64."""
+    keras.utils.set_random_seed(0)
+    ids, scale = keras.Input((5,), dtype="int32"), keras.Input((1, 1))
+    table = layers.ReversibleEmbedding(11, 8)
+    logits = table(layers.Multiply()([table(ids), scale]), reverse=True)
+    model = keras.Model([ids, scale], logits)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = [_ids(11, B, 5), np.ones((B, 1, 1), "float32")]
+    x[1][2] = 1e21
+    y = _ids(11, B, 5)[::-1].copy()
+    with pytest.MonkeyPatch.context() as patch:  # the norms come from the factors, not the table
+        patch.setattr(pergrad.layer_rules.embedding.ReversibleEmbeddingRule, "per_example", _refuse)
+        stats = pergrad.per_example_statistics(model, x, y)
+    rows = np.concatenate([oracle.to_numpy(g).reshape(B, -1).astype("float64")
+                           for g in pergrad.per_example_gradients(model, x, y)], axis=1)
+    assert np.all(np.isfinite(rows)) and (rows[2] ** 2).sum() > np.finfo(np.float32).max
+    np.testing.assert_allclose(oracle.to_numpy(stats.flat_norms), np.sqrt((rows ** 2).sum(axis=1)), rtol=1e-5)

@@ -66,3 +66,9 @@ def test_only_the_backend_adapters_import_a_backend():
     assert importing == [
         "backend/_tensorflow_onednn.py", "backend/jax.py", "backend/tensorflow.py", "backend/torch.py"
     ]
+
+
+def test_nothing_imports_keras_hub():
+    """keras-hub's layers get their rules by dotted path: it stays optional."""
+    pattern = re.compile(r"^\s*(import|from)\s+keras_hub\b|import_module\(\s*['\"]keras_hub", re.MULTILINE)
+    assert [str(p.relative_to(SOURCE)) for p in SOURCE.rglob("*.py") if pattern.search(p.read_text())] == []

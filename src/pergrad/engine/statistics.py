@@ -38,6 +38,7 @@ from pergrad.aggregators.base import (
     ExampleStatistics,
     RowMap,
     overflow_safe,
+    row_scales,
     scaled_squared_norms_of_rows,
 )
 from pergrad.aggregators.basic import Mean, Sum
@@ -45,7 +46,14 @@ from pergrad.backend import NotVectorizable, adapter
 from pergrad.engine.materialized import per_example_gradients
 from pergrad.engine.problem import _bounded_get, _map, _problem, check_model
 from pergrad.layer_rules import rule_for
-from pergrad.layer_rules.base import OutputRule, per_example_vjp, replaced_attribute, variable_values
+from pergrad.layer_rules.base import (
+    OutputRule,
+    divide_rows,
+    factor_inner_products,
+    per_example_vjp,
+    replaced_attribute,
+    variable_values,
+)
 
 LOGGER = logging.getLogger("pergrad")
 _FALLBACK = OutputRule()
@@ -72,11 +80,13 @@ class _Call:
 
     ``arguments`` is the call's ``(args, kwargs)`` with every tensor replaced by
     a marker: the fallback calls the layer again with one example's tensors.
+    ``specs`` are the probe points' ``(shape, dtype)`` and ``input_shape`` the shape
+    of the rule's ``inputs`` in the one-example dry run.
     """
 
-    def __init__(self, index, layer, rule, variables, specs, arguments):
+    def __init__(self, index, layer, rule, variables, specs, arguments, input_shape=None):
         self.index, self.layer, self.rule, self.variables = index, layer, rule, variables
-        self.specs, self.arguments = specs, arguments
+        self.specs, self.arguments, self.input_shape = specs, arguments, input_shape
         self.fallback = rule is _FALLBACK
 
     def recall(self, tensors):
@@ -88,15 +98,17 @@ class _Call:
 
 
 class Plan:
-    """What the dry run found: the planned calls, in call order, and whether the
-    forward pass draws random numbers (reads a seed state: a ``Dropout`` with rate 0
-    does not)."""
+    """What the dry run found: the planned calls, in call order, whether the forward
+    pass draws random numbers (reads a seed state: a ``Dropout`` with rate 0 does
+    not), and whether one batched pass gives every call's ``D`` (``whole_batch``,
+    :func:`_capture`)."""
 
     def __init__(self, calls, fallback_names, draws_random):
         self.calls = calls
         self.by_index = {call.index: position for position, call in enumerate(calls)}
         self.fallback_names = fallback_names
         self.draws_random = draws_random
+        self.whole_batch = False
 
 
 class _Interceptor:
@@ -172,6 +184,9 @@ def make_plan(problem, trainable_values, batched, shared) -> Plan:
         markers = [_TENSOR if _is_tensor(leaf) else leaf for leaf in tree.flatten((args, kwargs))]
         record = {"index": index, "layer": layer, "reads": [], "specs": [], "rule": rule_for(layer),
                   "arguments": tree.pack_sequence_as((args, kwargs), markers)}
+        if record["rule"] is not None:
+            record["variables"] = record["rule"].call_variables(layer, args, kwargs)
+            record["input_shape"] = tuple(ops.shape(record["rule"].call_inputs(layer, args, kwargs)))
         records.append(record)
 
         def probe(tensor):
@@ -227,14 +242,12 @@ def make_plan(problem, trainable_values, batched, shared) -> Plan:
             continue
         layer, rule = record["layer"], record["rule"]
         if rule is not None:
-            ids = {id(v) for v in rule.variables(layer)}
-            one_probe = len(record["specs"]) == 1 and record["specs"][0][0][:1] == (1,)
-            if ids != {id(v) for v in reads} or not one_probe:
+            variables = record["variables"]
+            if {id(v) for v in variables} != {id(v) for v in reads} or len(record["specs"]) != 1:
                 raise Unsupported(
                     f"layer {layer.name!r} reads variables {[v.path for v in reads]} that its rule "
                     f"{type(rule).__name__} does not cover"
                 )
-            variables = rule.variables(layer)
         else:
             if any(compat.is_seed_state(v) for v in record["reads"]):
                 raise Unsupported(
@@ -242,9 +255,55 @@ def make_plan(problem, trainable_values, batched, shared) -> Plan:
                 )
             rule, variables = _FALLBACK, reads
             fallback_names.append(layer.name)
-        calls.append(_Call(record["index"], layer, rule, variables, record["specs"], record["arguments"]))
+        calls.append(_Call(record["index"], layer, rule, variables, record["specs"], record["arguments"],
+                           record.get("input_shape")))
     every_read = root_reads + [v for record in records for v in record["reads"]]
-    return Plan(calls, fallback_names, any(compat.is_seed_state(v) for v in every_read))
+    plan = Plan(calls, fallback_names, any(compat.is_seed_state(v) for v in every_read))
+    if not plan.draws_random and not fallback_names:
+        _mark_whole_batch(problem, plan, trainable_values, batched, shared)
+    return plan
+
+
+def _leading_one(shape) -> bool:
+    """Whether a one-example dry run's shape has the batch-of-one axis."""
+    return len(shape) > 0 and shape[0] == 1
+
+
+def _mark_whole_batch(problem, plan, trainable_values, batched, shared):
+    """Whether one batched pass gives every planned call's ``D`` (``plan.whole_batch``):
+    when every call's inputs and output follow the batch.
+
+    A second dry run on two examples (the first one twice): a tensor whose leading
+    axis is one in the first run and two in this one is the example's; any other
+    (a constant made in ``build()``, ``arange`` positions, a weight) is the same for
+    every example, and a call that outputs one needs each example's own probe,
+    which only the vectorized pass gives.
+    """
+    follows = [False] * len(plan.calls)
+
+    def handler(index, layer, original, args, kwargs):
+        position = plan.by_index.get(index)
+        if position is None:
+            return original(*args, **kwargs)
+        call, leading = plan.calls[position], []
+
+        def probe(tensor):
+            leading.append(tuple(ops.shape(tensor))[:1])
+            return tensor
+
+        out = call.rule.forward(layer, original, probe, args, kwargs)
+        inputs = tuple(ops.shape(call.rule.call_inputs(layer, args, kwargs)))[:1]
+        follows[position] = (inputs == (2,) and _leading_one(call.input_shape)
+                             and leading == [(2,)] and _leading_one(call.specs[0][0]))
+        return out
+
+    # Stacked rows: a static leading axis of two even where the batch's is unknown (a TF retrace).
+    pair = {key: tree.map_structure(lambda t: ops.stack([t[0], t[0]]), batched[key])
+            for key in ("x", "y", "sample_weight") if batched.get(key) is not None}
+    with _Interceptor(problem.model, handler):
+        problem._loss(list(trainable_values), shared["non_trainable"], pair["x"], pair.get("y"),
+                      pair.get("sample_weight"))
+    plan.whole_batch = all(follows)
 
 
 def _cached_plan(problem, trainable_values, batched, shared) -> Plan:
@@ -285,15 +344,16 @@ def _capture(problem, plan, trainable_values, batched, shared, batch_size):
     """The forward pass with probes and the one backward pass: ``(captured, deltas, aux, batched)``.
 
     For a model that draws no random numbers and whose planned calls all have
-    rules, one batched forward pass (no vectorized map): ``B`` times the batch loss
-    Keras reduces is ``sum_i c_i L_i`` (the definition of ``L_i``), so its gradient
-    at the probes is every example's ``D``, as the vectorized pass gives it.
-    Otherwise each example runs alone (its own random stream; the fallback needs
-    each example's call as it was). ``batched`` says which: captured tensors and
-    deltas then have no batch-of-one axis.
+    rules and outputs that follow the batch (``plan.whole_batch``), one batched
+    forward pass (no vectorized map): ``B`` times the batch loss Keras reduces is
+    ``sum_i c_i L_i`` (the definition of ``L_i``), so its gradient at the probes is
+    every example's ``D``, as the vectorized pass gives it. Otherwise each example
+    runs alone (its own random stream; the fallback needs each example's call as it
+    was; an output shared by the batch needs each example's own probe).
+    ``batched`` says which: captured tensors and deltas then have no batch-of-one axis.
     """
     model = problem.model
-    whole_batch = not plan.draws_random and not any(call.fallback for call in plan.calls)
+    whole_batch = plan.whole_batch
 
     def probe_zeros(spec):
         shape, dtype = spec
@@ -309,7 +369,7 @@ def _capture(problem, plan, trainable_values, batched, shared, batch_size):
                 return original(*args, **kwargs)
             call, probe = plan.calls[position], own_probes[position]
             if not call.fallback:
-                captured[position] = args[0]
+                captured[position] = call.rule.call_inputs(layer, args, kwargs)
                 return call.rule.forward(layer, original, lambda t: t + probe[0], args, kwargs)
             flat = tree.flatten((args, kwargs))
             captured[position] = [leaf for leaf in flat if _is_tensor(leaf)]
@@ -392,6 +452,28 @@ def _weighted_losses(problem, losses, aux, weights, batch_size):
     return ops.sum(losses if factors is None else ops.stop_gradient(factors) * losses)
 
 
+def _scaled_factors(parts):
+    """``(parts, scale)``: outer-product pieces of one gradient, all divided by the same
+    ``(B,)`` scale with every factor's entries at most one (no product overflows).
+
+    Piece ``c`` (``sum_t l_t ⊗ r_t``) is bilinear: its left factor divided by its own
+    largest entry ``a_c`` and its right by ``scale / a_c``, where ``scale`` is the
+    largest ``a_c`` times the right factor's largest entry; ids stay as they are.
+    """
+    lefts = [row_scales(left) if _is_float(left) else None for left, _ in parts]
+    rights = [row_scales(right) for _, right in parts]
+    scale = None
+    for left, right in zip(lefts, rights):
+        size = right if left is None else left * right
+        scale = size if scale is None else ops.maximum(scale, size)
+    scaled = []
+    for (left, right), left_scale in zip(parts, lefts):
+        if left_scale is not None:
+            left = divide_rows(left, left_scale)
+        scaled.append((left, divide_rows(right, scale if left_scale is None else scale / left_scale)))
+    return scaled, scale
+
+
 def _finish_aux(problem, aux, non_trainable):
     out = {"y_pred": aux["y_pred"]}
     if "loss" in aux:  # (not from a whole-batch pass; the step does not read it)
@@ -415,11 +497,17 @@ class _Layers:
             if call.fallback:
                 self.inputs.append(inputs)
                 self.deltas.append(delta)  # raw (scaled, compute dtype): the layer's own vjp
-            else:
-                # The vectorized pass saw each example as a batch of one.
-                self.inputs.append(_float32(inputs if whole_batch else ops.squeeze(inputs, 1)))
-                delta = _float32(delta[0] if whole_batch else ops.squeeze(delta[0], 1))
-                self.deltas.append(delta if inverse_scale is None else delta * inverse_scale)
+                continue
+            delta = delta[0]
+            if not whole_batch:
+                # The vectorized pass stacked each example's tensors: the batch-of-one axis
+                # removed where the example's call had one; a tensor shared by the batch
+                # (no such axis) comes broadcast.
+                inputs = ops.squeeze(inputs, 1) if _leading_one(call.input_shape) else inputs
+                delta = ops.squeeze(delta, 1) if _leading_one(call.specs[0][0]) else delta
+            delta = _float32(delta)
+            self.inputs.append(_float32(inputs))
+            self.deltas.append(delta if inverse_scale is None else delta * inverse_scale)
         self.inverse_scale = inverse_scale
         uses = {}
         for call in plan.calls:
@@ -531,28 +619,78 @@ class _Layers:
                 yield k, zeros if rows is None else rows.apply(zeros, k)
 
     def _ghost(self, position):
+        """Whether the call's statistics come from its rule's formulas (else from its
+        per-example gradients)."""
         call = self.plan.calls[position]
-        return not (call.fallback or self.shared[position] or call.rule.materializes(
+        return not (call.fallback or call.rule.materializes(
             call.layer, self.inputs[position], self.deltas[position]))
 
-    def _shared_variables(self):
-        """``{variable index: (B, size) summed per-example gradient rows}`` of shared variables."""
+    def _shared_variables(self, only=None):
+        """``{variable index: (B, size) summed per-example gradient rows}`` of shared
+        variables (those in ``only``, when given)."""
         sums = {}
         for position, call in enumerate(self.plan.calls):
             if not self.shared[position]:
                 continue
-            for v, g in zip(call.variables, self._per_example(position)):
-                rows = _rows32(g)
-                k = self.index_of[id(v)]
-                sums[k] = rows if k not in sums else sums[k] + rows
+            indices = [self.index_of[id(v)] for v in call.variables]
+            if only is not None and not set(indices) & set(only):
+                continue
+            for k, g in zip(indices, self._per_example(position)):
+                if only is None or k in only:
+                    rows = _rows32(g)
+                    sums[k] = rows if k not in sums else sums[k] + rows
         return sums
 
-    def _per_call(self, statistic, from_rows, arguments=lambda call: ()):
-        """``(call, value)`` for every call with no shared variable: the rule's ``statistic``
-        (a ghost formula), or ``from_rows`` of the call's per-example gradient rows; both
-        also get ``arguments(call)``."""
+    def _shared_squared_norms(self, scaled=False):
+        """``{variable index: ((B,) squared norm, (B,) scale or None)}`` of the variables
+        that several calls read (with ``scaled``, divided by the scale squared, computed
+        so that none overflows).
+
+        Example i's gradient is the sum of the calls' pieces, and its squared norm
+        the sum of their pairwise inner products: from the rules' factors
+        (:meth:`~pergrad.layer_rules.LayerRule.factors`) where every call that
+        reads the variable takes its rule's formulas and gives them (a tied
+        embedding and output layer: no ``B x vocabulary x d`` tensor), else from
+        the summed per-example gradients.
+        """
+        pieces = {}
         for position, call in enumerate(self.plan.calls):
-            if self.shared[position]:
+            if not self.shared[position]:
+                continue
+            factors = None
+            if self._ghost(position):
+                factors = call.rule.factors(call.layer, self._values(call), self.inputs[position],
+                                            self.deltas[position])
+            for m, v in enumerate(call.variables):
+                pieces.setdefault(self.index_of[id(v)], []).append(None if factors is None else factors[m])
+        formed = [k for k, parts in pieces.items() if any(part is None for part in parts)]
+        out = {}
+        for k, rows in self._shared_variables(formed).items():
+            if scaled:
+                (norms,), (scale,) = scaled_squared_norms_of_rows([rows])
+                out[k] = (norms, scale)
+            else:
+                out[k] = (ops.sum(ops.square(rows), axis=1), None)
+        for k, parts in pieces.items():
+            if k in out:
+                continue
+            scale = None
+            if scaled:
+                parts, scale = _scaled_factors(parts)
+            total = 0.0
+            for a, first in enumerate(parts):
+                total = total + factor_inner_products(first, first)
+                for second in parts[a + 1:]:
+                    total = total + 2.0 * factor_inner_products(first, second)
+            out[k] = (ops.cast(total, "float32"), scale)
+        return out
+
+    def _per_call(self, statistic, from_rows, arguments=lambda call: (), every_call=False):
+        """``(call, value)`` for every call with no shared variable (with ``every_call``, for
+        every call): the rule's ``statistic`` (a ghost formula), or ``from_rows`` of the
+        call's per-example gradient rows; both also get ``arguments(call)``."""
+        for position, call in enumerate(self.plan.calls):
+            if self.shared[position] and not every_call:
                 continue
             extra = arguments(call)
             if self._ghost(position):
@@ -584,8 +722,8 @@ class _Layers:
             statistic = "scaled_squared_norms" if scaled else "squared_norms"
             for call, value in self._per_call(statistic, from_rows):
                 keep([self.index_of[id(v)] for v in call.variables], value)
-            for k, rows in self._shared_variables().items():
-                keep([k], from_rows([rows]))
+            for k, (n, scale) in self._shared_squared_norms(scaled).items():
+                norms[k], scales[k] = n, scale
             zeros, ones = ops.zeros((batch_size,), "float32"), ops.ones((batch_size,), "float32")
             norms = [zeros if n is None else n for n in norms]
             return norms, [ones if s is None else ops.cast(s, "float32") for s in scales]
@@ -608,7 +746,10 @@ class _Layers:
         return total
 
     def weighted_sums(self, weights, variables):
-        """``sum_i w_i g_i`` for every variable; ``weights`` ``(B,)`` or ``(B, V)``."""
+        """``sum_i w_i g_i`` for every variable; ``weights`` ``(B,)`` or ``(B, V)``.
+
+        Linear in each call's gradient: a variable that several calls read gets the
+        sum of their weighted sums (each by its rule's formula where it has one)."""
 
         def weight(v):
             w = weights if len(weights.shape) == 1 else weights[:, self.index_of[id(v)]]
@@ -618,15 +759,15 @@ class _Layers:
             return [ops.matmul(w[None, :], r)[0] for r, w in zip(rows, ws)]
 
         out = [None] * self.count
-        calls = self._per_call("weighted_sum", from_rows, lambda call: ([weight(v) for v in call.variables],))
+        calls = self._per_call("weighted_sum", from_rows, lambda call: ([weight(v) for v in call.variables],),
+                               every_call=True)
         for call, sums in calls:
-            for v, s in zip(call.variables, sums):
-                out[self.index_of[id(v)]] = s
-        for k, rows in self._shared_variables().items():
-            v = variables[k]
-            out[k] = ops.reshape(ops.matmul(weight(v)[None, :], rows)[0], v.shape)
+            for v, part in zip(call.variables, sums):
+                k = self.index_of[id(v)]
+                part = ops.reshape(ops.cast(part, "float32"), v.shape)
+                out[k] = part if out[k] is None else out[k] + part
         return [
-            ops.zeros(v.shape, v.dtype) if s is None else ops.cast(ops.reshape(s, v.shape), v.dtype)
+            ops.zeros(v.shape, v.dtype) if s is None else ops.cast(s, v.dtype)
             for s, v in zip(out, variables)
         ]
 

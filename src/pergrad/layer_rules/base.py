@@ -22,6 +22,11 @@ Only :meth:`LayerRule.variables`, :meth:`LayerRule.forward` and
 computed from :meth:`LayerRule.per_example`, which a rule overrides with a
 cheaper formula (the "ghost" norms of Dense), choosing per call with
 :meth:`LayerRule.materializes`.
+
+An input that does not depend on the example (a constant made in ``build()``,
+``ops.arange`` positions, a weight) reaches the rule broadcast over the batch:
+a leading axis of one is replaced by ``B``, a tensor without one gets ``B``
+prepended, so that row i is always what example i's call saw.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from pergrad.aggregators.base import row_scales
 from pergrad.backend import adapter
 
 _RULES: dict[type, LayerRule] = {}
+# Rules for classes named by their dotted path (a package pergrad does not import,
+# keras-hub): registered for the class when a layer of it is first looked up.
+_NAMED_RULES: dict[str, type] = {}
 
 # Values of the model's other variables while the engine computes statistics:
 # a layer recomputed by :func:`per_example_vjp` may read them (a frozen moving
@@ -62,7 +70,7 @@ def variable_values(pairs):
         stack.pop()
 
 
-def register_rule(layer_class: type):
+def register_rule(layer_class: type | str):
     """Class decorator: registers a :class:`LayerRule` subclass for ``layer_class``.
 
     Example::
@@ -72,8 +80,20 @@ def register_rule(layer_class: type):
             def variables(self, layer):
                 return [layer.scale]
 
-    A later registration for the same class replaces the earlier one.
+    ``layer_class`` may also be a class's dotted path (``"package.module.Class"``,
+    its ``__module__`` and ``__qualname__``): the rule is then registered for that
+    class when a layer of it is first looked up, and the module is never imported
+    by pergrad (how the keras-hub rules are registered). A later registration for
+    the same class replaces the earlier one.
     """
+    if isinstance(layer_class, str):
+        def decorate_later(rule_class):
+            for cls in [cls for cls in _RULES if _dotted_path(cls) == layer_class]:
+                del _RULES[cls]
+            _NAMED_RULES[layer_class] = rule_class
+            return rule_class
+
+        return decorate_later
     if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
         raise TypeError(f"register_rule expects a Keras layer class, got {layer_class!r}.")
 
@@ -81,15 +101,27 @@ def register_rule(layer_class: type):
         rule = rule_class()
         rule.layer_class = layer_class
         _RULES[layer_class] = rule
+        _NAMED_RULES.pop(_dotted_path(layer_class), None)
         return rule_class
 
     return decorate
 
 
+def _dotted_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _registered(cls: type) -> LayerRule | None:
+    named = _NAMED_RULES.get(_dotted_path(cls)) if cls not in _RULES else None
+    if named is not None:
+        register_rule(cls)(named)
+    return _RULES.get(cls)
+
+
 def rule_for(layer) -> LayerRule | None:
     """The rule that applies to ``layer``, or ``None`` (the layer then takes the fallback)."""
     for cls in type(layer).__mro__:
-        rule = _RULES.get(cls)
+        rule = _registered(cls)
         if rule is not None:
             return rule if rule.applies(layer) else None
     return None
@@ -132,6 +164,18 @@ class LayerRule:
         """The trainable variables the rule gives gradients of, in the order of its results."""
         raise NotImplementedError
 
+    def call_variables(self, layer, args, kwargs) -> list:
+        """The variables one call gives gradients of (by default :meth:`variables`): a
+        layer whose calls read different variables (``ReversibleEmbedding`` with an
+        untied output table) says which."""
+        del args, kwargs
+        return self.variables(layer)
+
+    def call_inputs(self, layer, args, kwargs):
+        """The tensor the statistics receive as ``inputs``: by default the call's first argument."""
+        del layer, kwargs
+        return args[0]
+
     def forward(self, layer, call, probe, args, kwargs):
         """The layer's call with ``probe`` applied to the tensor whose gradient is ``delta``.
 
@@ -153,6 +197,19 @@ class LayerRule:
     def materializes(self, layer, inputs, delta) -> bool:
         """Whether to compute the statistics from :meth:`per_example` (decided from static shapes)."""
         return True
+
+    def factors(self, layer, values, inputs, delta) -> list | None:
+        """Example i's gradient of each variable as a sum of outer products, or ``None``.
+
+        One ``(left, right)`` pair per variable: ``right`` is ``(B, n, q)`` and
+        ``left`` either ``(B, n, p)`` floats or ``(B, n)`` integer ids (rows of the
+        identity, ``p`` wide); example i's gradient, reshaped to ``(p, q)``, is
+        ``sum_t left_it ⊗ right_it``. The engine needs them only for a variable
+        that several calls read (a tied embedding): the norm of a sum of such
+        gradients follows from their pairwise inner products
+        (:func:`factor_inner_products`), without forming any of them.
+        """
+        return None
 
     def squared_norms(self, layer, values, inputs, delta) -> list:
         """``(B,)`` squared norms of example i's gradient, one per variable."""
@@ -275,6 +332,32 @@ def joined_slots(tensor, rows):
         return tensor
     count = ops.shape(rows.order)[0]
     return ops.reshape(tensor, (count, -1) + tuple(tensor.shape[2:]))
+
+
+def factor_inner_products(first, second):
+    """``(B,)``: ``<g_i, h_i>`` of two gradients given as :meth:`LayerRule.factors` pairs.
+
+    ``sum_{t,s} (l_t . l'_s)(r_t . r'_s)`` over the positions of both, where an
+    id's product with a row is the row's entry at the id (a gather), and two ids'
+    is whether they are equal: ``B n n' (q + p)`` work, never ``B p q``.
+    """
+    (left, right), (other_left, other_right) = first, second
+    rights = ops.einsum("btq,bsq->bts", right, other_right)
+    ids, other_ids = not _is_float(left), not _is_float(other_left)
+    if ids and other_ids:
+        lefts = ops.cast(ops.equal(left[:, :, None], other_left[:, None, :]), rights.dtype)
+    elif ids or other_ids:
+        table, index = (other_left, left) if ids else (left, other_left)
+        shape = (ops.shape(table)[0], ops.shape(table)[1], ops.shape(index)[1])
+        picked = ops.take_along_axis(table, ops.broadcast_to(index[:, None, :], shape), axis=2)
+        lefts = ops.transpose(picked, (0, 2, 1)) if ids else picked  # (B, n, n')
+    else:
+        lefts = ops.einsum("btp,bsp->bts", left, other_left)
+    return ops.sum(lefts * rights, axis=(1, 2))
+
+
+def _is_float(tensor) -> bool:
+    return "float" in keras.backend.standardize_dtype(tensor.dtype)
 
 
 def divide_rows(tensor, scales):

@@ -9,6 +9,13 @@ bias's ``sum_t D_it``. Without forming them (Goodfellow 2015; Li et al. 2022):
   per example instead of ``d_in d_out``, chosen when ``2 n^2 <= d_in d_out``;
 - ``<g_i, g_j> = (A A^T)_{ij} (D D^T)_{ij}`` for ``n = 1``;
 - ``sum_i w_i A_i^T D_i = A^T diag(w) D``: one matmul, as in a plain backward pass.
+
+A LoRA layer (``enable_lora(rank)``: ``y = x (W + s A B) + b``, ``s = alpha /
+rank``; Hu et al. 2021) is three such products: ``A``'s gradient is that of a
+Dense layer with input ``x`` and output gradient ``s D B^T``, ``B``'s that of
+one with input ``s x A`` and output gradient ``D`` — small matrices, the same
+formulas, the frozen ``W`` never formed per example. The module-level functions
+are these formulas on one ``(a, d)`` pair, for the rules that reuse them.
 """
 
 from __future__ import annotations
@@ -18,7 +25,14 @@ import math
 import keras
 from keras import ops
 
-from pergrad.layer_rules.base import PreActivationRule, joined_slots, register_rule, slot_rows
+from pergrad.layer_rules.base import (
+    LayerRule,
+    PreActivationRule,
+    context_values,
+    joined_slots,
+    register_rule,
+    slot_rows,
+)
 
 
 def _flat(inputs, delta):
@@ -39,47 +53,148 @@ def _positions(inputs) -> int | None:
     return math.prod(middle) if all(m is not None for m in middle) else None
 
 
+def outer_materializes(positions: int | None, d_in: int, d_out: int) -> bool:
+    """Whether the statistics of a ``(d_in, d_out)`` kernel's ``A_i^T D_i`` over
+    ``positions`` are cheaper from the formed gradients (decided from static shapes)."""
+    return positions is None or (positions > 1 and 2 * positions * positions > d_in * d_out)
+
+
+def outer_per_example(inputs, delta):
+    """``(B, d_in, d_out)``: every example's ``A_i^T D_i``."""
+    if len(inputs.shape) == 2:  # an outer product per example
+        return inputs[:, :, None] * delta[:, None, :]
+    a, d = _flat(inputs, delta)
+    return ops.einsum("bni,bno->bio", a, d)
+
+
+def outer_squared_norms(inputs, delta):
+    """``(B,)``: ``||A_i^T D_i||^2`` by the ghost formula."""
+    if len(inputs.shape) == 2:  # the common case, without reshapes (each op costs on torch)
+        return ops.sum(ops.square(inputs), axis=1) * ops.sum(ops.square(delta), axis=1)
+    a, d = _flat(inputs, delta)
+    if a.shape[1] == 1:
+        return ops.sum(ops.square(a[:, 0]), axis=1) * ops.sum(ops.square(d[:, 0]), axis=1)
+    aa = ops.einsum("bni,bmi->bnm", a, a)
+    dd = ops.einsum("bno,bmo->bnm", d, d)
+    return ops.sum(aa * dd, axis=(1, 2))
+
+
+def outer_weighted_sum(inputs, delta, weights):
+    """``(d_in, d_out)``: ``sum_i w_i A_i^T D_i = (diag(w) A)^T D``."""
+    if len(inputs.shape) == 2:
+        return ops.matmul(ops.transpose(inputs), delta * weights[:, None])
+    a, d = _flat(inputs, delta)
+    # The weights scale the input side: an LM head's D (B x T x vocabulary) is the larger.
+    rows = ops.reshape(a * ops.cast(weights[:, None, None], a.dtype), (-1, ops.shape(a)[-1]))
+    return ops.matmul(ops.transpose(rows), ops.reshape(d, (-1, ops.shape(d)[-1])))
+
+
+def _bias_squared_norms(delta):
+    if len(delta.shape) == 2:
+        return ops.sum(ops.square(delta), axis=1)
+    _, d = _flat(delta, delta)
+    return ops.sum(ops.square(ops.sum(d, axis=1)), axis=1)
+
+
+def _bias_weighted_sum(delta, weights):
+    if len(delta.shape) == 2:
+        return ops.matmul(weights[None, :], delta)[0]
+    _, d = _flat(delta, delta)
+    return ops.sum(d * weights[:, None, None], axis=(0, 1))
+
+
+def _value(variable, variables, values):
+    """The current value of ``variable``: one of the rule's (``values``), else the engine's."""
+    for v, value in zip(variables, values or ()):
+        if v is variable:
+            return value
+    for v, value in context_values():
+        if v is variable:
+            return value
+    return variable.value
+
+
+def lora_scale(layer) -> float:
+    return layer.lora_alpha / layer.lora_rank
+
+
 @register_rule(keras.layers.Dense)
 class DenseRule(PreActivationRule):
+    def applies(self, layer) -> bool:  # LoRA layers too
+        return LayerRule.applies(self, layer) and getattr(layer, "quantization_mode", None) is None
+
     def _parts(self, layer):
-        """Which of (kernel, bias) the rule's variables are, in order."""
-        parts = []
-        for v in self.variables(layer):
-            parts.append("kernel" if v is layer.kernel else "bias")
-        return parts
+        """Which of (kernel, bias, lora_a, lora_b) the rule's variables are, in order."""
+        names = {id(getattr(layer, name, None)): name for name in ("bias", "lora_kernel_a", "lora_kernel_b")}
+        return [names.get(id(v), "kernel") for v in self.variables(layer)]
+
+    def _pieces(self, layer, values, inputs, delta):
+        """Per variable, the ``(a, d)`` of a Dense product whose kernel it is, or ``(None, d)``
+        for the bias: ``(x, D)`` for the kernel; under LoRA ``(x, s D B^T)`` for ``A``
+        and ``(s x A, D)`` for ``B``."""
+        pieces = []
+        variables = self.variables(layer)
+        for part in self._parts(layer):
+            if part == "kernel":
+                pieces.append((inputs, delta))
+            elif part == "bias":
+                pieces.append((None, delta))
+            elif part == "lora_kernel_a":
+                b = ops.cast(_value(layer.lora_kernel_b, variables, values), delta.dtype)
+                pieces.append((inputs, lora_scale(layer) * ops.matmul(delta, ops.transpose(b))))
+            else:
+                a = ops.cast(_value(layer.lora_kernel_a, variables, values), inputs.dtype)
+                pieces.append((lora_scale(layer) * ops.matmul(inputs, a), delta))
+        return pieces
+
+    def _lora(self, layer) -> bool:
+        return getattr(layer, "lora_enabled", False)
 
     def materializes(self, layer, inputs, delta) -> bool:
-        n = _positions(inputs)
-        return n is None or (n > 1 and 2 * n * n > inputs.shape[-1] * delta.shape[-1])
+        d_in, d_out = inputs.shape[-1], delta.shape[-1]
+        rank = getattr(layer, "lora_rank", None) if self._lora(layer) else None
+        sizes = {"kernel": (d_in, d_out), "lora_kernel_a": (d_in, rank), "lora_kernel_b": (rank, d_out)}
+        return any(outer_materializes(_positions(inputs), *sizes[part])
+                   for part in self._parts(layer) if part in sizes)
 
     def per_example(self, layer, values, inputs, delta) -> list:
-        if len(inputs.shape) == 2:  # an outer product per example
-            grads = {"kernel": lambda: inputs[:, :, None] * delta[:, None, :], "bias": lambda: delta}
-            return [grads[part]() for part in self._parts(layer)]
-        a, d = _flat(inputs, delta)
-        grads = {"kernel": ops.einsum("bni,bno->bio", a, d), "bias": ops.sum(d, axis=1)}
-        return [grads[part] for part in self._parts(layer)]
+        out = []
+        for a, d in self._pieces(layer, values, inputs, delta):
+            out.append(outer_per_example(a, d) if a is not None else
+                       d if len(d.shape) == 2 else ops.sum(_flat(d, d)[1], axis=1))
+        return out
+
+    def factors(self, layer, values, inputs, delta) -> list:
+        out = []
+        for a, d in self._pieces(layer, values, inputs, delta):
+            a_flat, d_flat = _flat(d if a is None else a, d)
+            left = ops.zeros(ops.shape(d_flat)[:2], "int32") if a is None else a_flat
+            out.append((left, d_flat))
+        return out
 
     def mapped(self, layer, values, inputs, delta, rows, columns) -> list:
         # Row j's kernel gradient is sum_t w_jt A_{o_jt}^T D_{o_jt}: the gradient of one
         # "example" whose positions are those of its slots, with D weighted.
         if rows.order is None and rows.weights is None:
             return self.per_example(layer, values, inputs, delta)
-        a, d = _flat(inputs, delta)
-        a = joined_slots(slot_rows(a, rows), rows)
         out = []
-        for part, column in zip(self._parts(layer), columns):
-            weighted = joined_slots(slot_rows(d, rows, column), rows)
-            if part == "bias":
+        for (a, d), column in zip(self._pieces(layer, values, inputs, delta), columns):
+            _, d_flat = _flat(d, d)
+            weighted = joined_slots(slot_rows(d_flat, rows, column), rows)
+            if a is None:
                 out.append(ops.sum(weighted, axis=1))
-            elif rows.order is None and len(inputs.shape) == 2:
-                out.append(a[:, 0, :, None] * weighted[:, 0, None, :])
+                continue
+            a_flat = joined_slots(slot_rows(_flat(a, d)[0], rows), rows)
+            if rows.order is None and len(a.shape) == 2:
+                out.append(a_flat[:, 0, :, None] * weighted[:, 0, None, :])
             else:
-                out.append(ops.einsum("bni,bno->bio", a, weighted))
+                out.append(ops.einsum("bni,bno->bio", a_flat, weighted))
         return out
 
     def all_finite(self, layer, inputs, delta):
         finite = ops.all(ops.isfinite(delta))
+        if self._lora(layer):
+            return None
         if len(inputs.shape) != 2 or "kernel" not in self._parts(layer):
             return None if len(inputs.shape) != 2 else finite
         # Exact for a_i ⊗ d_i: a non-finite entry of a_i or d_i makes a row or column of
@@ -90,7 +205,7 @@ class DenseRule(PreActivationRule):
 
     def mapped_pieces(self, layer, values, inputs, delta, rows, columns, pieces: int):
         size = inputs.shape[-1]
-        if pieces <= 1 or size is None or "kernel" not in self._parts(layer):
+        if pieces <= 1 or size is None or "kernel" not in self._parts(layer) or self._lora(layer):
             yield from super().mapped_pieces(layer, values, inputs, delta, rows, columns, pieces)
             return
         step = -(-size // min(pieces, size))
@@ -102,41 +217,22 @@ class DenseRule(PreActivationRule):
                     yield m, value
 
     def squared_norms(self, layer, values, inputs, delta) -> list:
-        if len(inputs.shape) == 2:  # the common case, without reshapes (each op costs on torch)
-            squared_delta = ops.sum(ops.square(delta), axis=1)
-            norms = {"kernel": ops.sum(ops.square(inputs), axis=1) * squared_delta, "bias": squared_delta}
-            return [norms[part] for part in self._parts(layer)]
-        a, d = _flat(inputs, delta)
-        if a.shape[1] == 1:
-            kernel = ops.sum(ops.square(a[:, 0]), axis=1) * ops.sum(ops.square(d[:, 0]), axis=1)
-        else:
-            aa = ops.einsum("bni,bmi->bnm", a, a)
-            dd = ops.einsum("bno,bmo->bnm", d, d)
-            kernel = ops.sum(aa * dd, axis=(1, 2))
-        norms = {"kernel": kernel, "bias": ops.sum(ops.square(ops.sum(d, axis=1)), axis=1)}
-        return [norms[part] for part in self._parts(layer)]
+        return [_bias_squared_norms(d) if a is None else outer_squared_norms(a, d)
+                for a, d in self._pieces(layer, values, inputs, delta)]
 
     def gram(self, layer, values, inputs, delta):
-        a, d = _flat(inputs, delta)
-        if a.shape[1] != 1:
+        if len(inputs.shape) != 2 and _positions(inputs) != 1:
             return super().gram(layer, values, inputs, delta)
-        a, d = a[:, 0], d[:, 0]
-        dd = ops.matmul(d, ops.transpose(d))
-        grams = {"kernel": ops.matmul(a, ops.transpose(a)) * dd, "bias": dd}
-        return sum(grams[part] for part in self._parts(layer))
+        total = 0.0
+        for a, d in self._pieces(layer, values, inputs, delta):
+            d = ops.reshape(d, (ops.shape(d)[0], -1))
+            dd = ops.matmul(d, ops.transpose(d))
+            if a is not None:
+                a = ops.reshape(a, (ops.shape(a)[0], -1))
+                dd = ops.matmul(a, ops.transpose(a)) * dd
+            total = total + dd
+        return total
 
     def weighted_sum(self, layer, values, inputs, delta, weights) -> list:
-        if len(inputs.shape) == 2:
-            sums = {"kernel": lambda w: ops.matmul(ops.transpose(inputs), delta * w[:, None]),
-                    "bias": lambda w: ops.matmul(w[None, :], delta)[0]}
-            return [sums[part](w) for part, w in zip(self._parts(layer), weights)]
-        a, d = _flat(inputs, delta)
-        out = []
-        for part, w in zip(self._parts(layer), weights):
-            weighted = d * w[:, None, None]
-            if part == "kernel":
-                rows = ops.reshape(a, (-1, ops.shape(a)[-1]))
-                out.append(ops.matmul(ops.transpose(rows), ops.reshape(weighted, (-1, ops.shape(d)[-1]))))
-            else:
-                out.append(ops.sum(weighted, axis=(0, 1)))
-        return out
+        return [_bias_weighted_sum(d, w) if a is None else outer_weighted_sum(a, d, w)
+                for (a, d), w in zip(self._pieces(layer, values, inputs, delta), weights)]

@@ -6,6 +6,12 @@ For ``y = einsum("<in>,<kernel>-><out>", x, W)`` whose batch letter (the first o
 ``einsum("<in>,<out>-><batch><kernel>", A, D)``: one einsum, no vjp. The bias is
 added by broadcasting: its gradient sums ``D`` over the broadcast axes. Other
 equations (an ellipsis, a repeated letter) take the layer's vectorized vjp.
+
+With LoRA (``W + s A B``, ``A`` the kernel's shape with its last axis ``r``, ``B``
+``(r, o)``), where the kernel's last letter is the output's last (every Keras and
+keras-hub projection): ``y = x W + s (x A) B``, so ``A``'s gradient is the kernel
+formula with output gradient ``s D B^T``, and ``B``'s that of a Dense layer on
+``s x A`` (positions: every output axis but the last) — no ``W``-sized gradient.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from pergrad.layer_rules.base import PreActivationRule, reduce_to, register_rule
+from pergrad.layer_rules.base import LayerRule, PreActivationRule, reduce_to, register_rule
+from pergrad.layer_rules.dense import _value, lora_scale, outer_per_example
 
 
 def _specs(equation: str):
@@ -34,17 +41,47 @@ def _specs(equation: str):
     return (x, kernel, output) if plain else None
 
 
+def _lora_specs(layer):
+    """The specs of a LoRA layer whose kernel's last letter is the output's last, else ``None``."""
+    specs = _specs(layer.equation)
+    if specs is None:
+        return None
+    x, kernel, output = specs
+    return specs if kernel[-1] == output[-1] and kernel[-1] not in x else None
+
+
 @register_rule(keras.layers.EinsumDense)
 class EinsumDenseRule(PreActivationRule):
+    def applies(self, layer) -> bool:  # LoRA layers too, where the factors split as above
+        lora = getattr(layer, "lora_enabled", False)
+        return (LayerRule.applies(self, layer) and getattr(layer, "quantization_mode", None) is None
+                and (not lora or _lora_specs(layer) is not None))
+
     def per_example(self, layer, values, inputs, delta) -> list:
         specs = _specs(layer.equation)
         if specs is None:
             return super().per_example(layer, values, inputs, delta)
         x, kernel, output = specs
+        variables = self.variables(layer)
+
+        def kernel_gradient(d):
+            return ops.einsum(f"{x},{output}->{x[0]}{kernel}", inputs, d)
+
         grads = []
-        for v in self.variables(layer):
-            if v is layer.kernel:
-                grads.append(ops.einsum(f"{x},{output}->{x[0]}{kernel}", inputs, delta))
-            else:
+        for v in variables:
+            if v is getattr(layer, "lora_kernel_a", None):
+                b = ops.cast(_value(layer.lora_kernel_b, variables, values), delta.dtype)
+                grads.append(kernel_gradient(lora_scale(layer) * ops.matmul(delta, ops.transpose(b))))
+            elif v is getattr(layer, "lora_kernel_b", None):
+                a = ops.cast(_value(layer.lora_kernel_a, variables, values), inputs.dtype)
+                projected = lora_scale(layer) * ops.einsum(layer.equation, inputs, a)
+                batch = ops.shape(delta)[0]
+                grads.append(outer_per_example(
+                    ops.reshape(projected, (batch, -1, projected.shape[-1])),
+                    ops.reshape(delta, (batch, -1, delta.shape[-1])),
+                ))
+            elif v is getattr(layer, "bias", None):
                 grads.append(reduce_to(delta, tuple(v.shape)))
+            else:
+                grads.append(kernel_gradient(delta))
         return grads

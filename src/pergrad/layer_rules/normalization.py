@@ -1,11 +1,15 @@
-"""Normalization layers (Layer, Group, RMS): the probe on the output.
+"""Normalization layers (Layer, Group, RMS; keras-hub's RMS norms): the probe on the output.
 
-Their output is ``n(x) * scale + offset``, the scale and offset broadcast along
-trailing axes. ``n(x)`` is the layer's own output with the scale set to one and
-the offset to zero (one batched call, Keras's arithmetic), and example i's
-gradients are ``sum n(x_i) * D_i`` and ``sum D_i`` over the broadcast axes. A
-layer whose variables are not broadcast along trailing axes (a normalization
-axis other than the last) takes the layer's vectorized vjp.
+Their output is ``n(x) * m(scale) + offset`` with ``m`` affine (``scale``, or
+``1 + scale`` in Gemma's norms), the scale and offset broadcast along trailing
+axes. ``n(x)`` is the layer's own output with the scale at the value that makes
+``m`` one and the offset at zero (one batched call, the layer's arithmetic), and
+example i's gradients are ``sum n(x_i) * D_i`` and ``sum D_i`` over the
+broadcast axes. A layer whose variables are not broadcast along trailing axes (a
+normalization axis other than the last) takes the layer's vectorized vjp.
+
+keras-hub's norms are registered by their dotted paths (pergrad imports nothing
+from keras-hub); each computes ``x / rms(x) * m(scale)`` along the last axis.
 """
 
 from __future__ import annotations
@@ -16,28 +20,61 @@ from keras import ops
 from pergrad.layer_rules.base import OutputRule, context_values, reduce_to, register_rule
 
 
-def _scale_and_offset(layer):
-    scale = getattr(layer, "gamma", None) if not isinstance(layer, keras.layers.RMSNormalization) \
-        else getattr(layer, "scale", None)
-    return scale, getattr(layer, "beta", None)
+class NormalizationRule(OutputRule):
+    """``n(x) * m(scale) + offset``: ``scale`` and ``offset`` name the layer's attributes
+    (``None``: absent), ``unit`` is the scale's value at which ``m`` is one."""
+
+    scale, offset, unit = "gamma", "beta", 1.0
+
+    def per_example(self, layer, values, inputs, delta) -> list:
+        variables = self.variables(layer)
+        trailing = all(tuple(v.shape) == tuple(delta.shape[len(delta.shape) - len(v.shape):])
+                       for v in variables)
+        scale = getattr(layer, self.scale, None) if self.scale else None
+        offset = getattr(layer, self.offset, None) if self.offset else None
+        if not trailing or any(v is not scale and v is not offset for v in variables):
+            return super().per_example(layer, values, inputs, delta)
+        unit = [(v, ops.full(v.shape, self.unit, v.dtype)) for v in (scale,) if v is not None]
+        unit += [(v, ops.zeros(v.shape, v.dtype)) for v in (offset,) if v is not None]
+        with keras.StatelessScope(state_mapping=context_values() + unit):
+            normalized = ops.cast(layer(inputs), "float32")
+        return [
+            reduce_to(normalized * delta if v is scale else delta, tuple(v.shape)) for v in variables
+        ]
 
 
-for _cls in (keras.layers.LayerNormalization, keras.layers.GroupNormalization,
-             keras.layers.RMSNormalization):
+for _cls in (keras.layers.LayerNormalization, keras.layers.GroupNormalization):
+    register_rule(_cls)(NormalizationRule)
 
-    @register_rule(_cls)
-    class NormalizationRule(OutputRule):
-        def per_example(self, layer, values, inputs, delta) -> list:
-            variables = self.variables(layer)
-            trailing = all(tuple(v.shape) == tuple(delta.shape[len(delta.shape) - len(v.shape):])
-                           for v in variables)
-            scale, offset = _scale_and_offset(layer)
-            if not trailing or any(v is not scale and v is not offset for v in variables):
-                return super().per_example(layer, values, inputs, delta)
-            unit = [(v, ops.ones(v.shape, v.dtype)) for v in (scale,) if v is not None]
-            unit += [(v, ops.zeros(v.shape, v.dtype)) for v in (offset,) if v is not None]
-            with keras.StatelessScope(state_mapping=context_values() + unit):
-                normalized = ops.cast(layer(inputs), "float32")
-            return [
-                reduce_to(normalized * delta if v is scale else delta, tuple(v.shape)) for v in variables
-            ]
+
+@register_rule(keras.layers.RMSNormalization)
+class RMSNormalizationRule(NormalizationRule):
+    scale, offset = "scale", None
+
+
+_KERAS_HUB_RMS_NORMS = [  # x / rms(x) * scale
+    "layers.modeling.rms_normalization.RMSNormalization",
+    "models.llama.llama_layernorm.LlamaLayerNorm",
+    "models.mistral.mistral_layer_norm.MistralLayerNormalization",
+    "models.mixtral.mixtral_layer_norm.MixtralLayerNormalization",
+    "models.phi3.phi3_layernorm.Phi3LayerNorm",
+    "models.qwen.qwen_layernorm.QwenLayerNorm",
+    "models.qwen3.qwen3_layernorm.Qwen3LayerNorm",
+]
+for _path in _KERAS_HUB_RMS_NORMS:
+    register_rule(f"keras_hub.src.{_path}")(RMSNormalizationRule)
+
+
+@register_rule("keras_hub.src.models.t5.t5_layer_norm.T5LayerNorm")
+class T5LayerNormRule(NormalizationRule):
+    scale, offset = "weight", None
+
+
+for _path in ("models.gemma.rms_normalization.RMSNormalization",
+              "models.gemma3.gemma3_layers.RMSNormalization"):
+
+    @register_rule(f"keras_hub.src.{_path}")
+    class GemmaNormalizationRule(NormalizationRule):
+        """Gemma's ``x / rms(x) * (1 + scale)``: ``n(x)`` at ``scale = 0``."""
+
+        scale, offset, unit = "scale", None, 0.0
