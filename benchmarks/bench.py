@@ -612,9 +612,9 @@ else:
         def _layout_context():
             if not Recipe.needed_layout_workaround:
                 return contextlib.nullcontext()
-            from pergrad.backend.torch import _IgnoreMemoryLayout
+            from pergrad.backend.torch import _VmapWorkarounds  # answers vmap's layout requests
 
-            return _IgnoreMemoryLayout()
+            return _VmapWorkarounds()
 
 
 # --------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from pergrad.aggregators.base import (
     overflow_safe,
     row_scales,
     scaled_squared_norms_of_rows,
+    zero_examples,
 )
 from pergrad.aggregators.basic import Mean, Sum
 from pergrad.backend import NotVectorizable, adapter
@@ -521,19 +522,11 @@ class _Layers:
     def zero_rows(self, keep):
         """Zeroes example i's ``A`` and ``D`` in every call where ``keep[i]`` is false."""
 
-        def where(t):
-            if not _is_float(t):
-                return t
-            return ops.where(ops.reshape(keep, (-1,) + (1,) * (len(t.shape) - 1)), t, ops.zeros_like(t))
-
-        self.inputs = [tree.map_structure(where, t) for t in self.inputs]
-        self.deltas = [tree.map_structure(where, t) for t in self.deltas]
         # Per-example gradients already materialized (for the norms) keep serving the
         # weighted sum, zeroed alike: recomputing them from the zeroed A and D would give the
         # same values at the cost of a second per-example pass (a convolution's, say).
-        self._materialized = {
-            position: [where(g) for g in grads] for position, grads in self._materialized.items()
-        }
+        self.inputs, self.deltas, self._materialized = zero_examples(
+            keep, (self.inputs, self.deltas, self._materialized))
 
     def with_tensors(self, function):
         """These layers with ``function`` applied to every tensor of each call's ``A`` and ``D``."""
