@@ -142,7 +142,7 @@ class PerExampleModel(_TrainStep, keras.Model):
         count = replicas.count(self)
         if count <= 1:
             return
-        reason = replicas.refusal(self)
+        reason = step.replica_refusal(self)
         if reason is None:  # exact on TF (pergrad.replicas)
             return
         engine = _REPLICA_ENGINES.get(keras.backend.backend(), "a distribution")

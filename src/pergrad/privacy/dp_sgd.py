@@ -22,7 +22,7 @@ import numpy as np
 from keras import ops
 
 from pergrad import replicas
-from pergrad.aggregators.base import ExampleStatistics, WeightedAggregator
+from pergrad.aggregators.base import LOCAL_MEAN, LOCAL_SUM, ExampleStatistics, WeightedAggregator
 from pergrad.aggregators.basic import clip_factors
 from pergrad.arguments import check_number
 from pergrad.privacy import noise
@@ -235,6 +235,12 @@ class DPGaussian(WeightedAggregator):
     def noise_stddev(self) -> float:
         """Standard deviation of the noise added to each coordinate of the sum."""
         return self.noise_multiplier * self.l2_norm_clip
+
+    @property
+    def distribution(self) -> str:
+        """Each example clipped by its own norm, the noise added once: the replicas'
+        results add up over a fixed denominator, or are shares of the batch's mean."""
+        return LOCAL_MEAN if self.expected_batch_size is None else LOCAL_SUM
 
     def _denominator(self, stats: ExampleStatistics):
         if self.expected_batch_size is not None:
