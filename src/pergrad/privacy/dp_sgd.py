@@ -31,6 +31,20 @@ from pergrad.privacy import noise
 UNLIMITED_STEPS = 2**31 - 1
 
 
+def steps_taken(model) -> int:
+    """The number of steps the model has taken, for accounting and sampling.
+
+    For a DP rule, its ``step_count`` variable: model state, restored with the
+    weights by every Keras path and never reset by ``compile()``. Otherwise
+    ``optimizer.iterations`` (0 without an optimizer).
+    """
+    aggregator = getattr(model, "aggregator", None)
+    if getattr(aggregator, "differentially_private", False):
+        return int(keras.ops.convert_to_numpy(aggregator.step_count)) if aggregator.built else 0
+    optimizer = getattr(model, "optimizer", None)
+    return int(keras.ops.convert_to_numpy(optimizer.iterations)) if optimizer is not None else 0
+
+
 @keras.saving.register_keras_serializable(package="pergrad")
 class DPGaussian(WeightedAggregator):
     """Per-example clipping plus Gaussian noise (DP-SGD, Abadi et al., 2016).

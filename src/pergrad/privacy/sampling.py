@@ -69,6 +69,7 @@ from keras import tree
 
 from pergrad import replicas
 from pergrad.aggregators.base import LOCAL_SUM, WHOLE_BATCH
+from pergrad.privacy.dp_sgd import steps_taken
 
 
 class BatchOverflowError(RuntimeError):
@@ -393,6 +394,4 @@ class _StepSync(keras.callbacks.Callback):
         self.sampler = sampler
 
     def on_train_begin(self, logs=None):
-        from pergrad.privacy.callbacks import steps_taken
-
         self.sampler.set_step(steps_taken(self.model))
