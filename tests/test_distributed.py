@@ -169,6 +169,8 @@ RULES = {
     "clip": lambda: aggregators.clip(0.5),
     "clip_per_layer": lambda: aggregators.clip(0.5, per_layer=True),
     "automatic_clip": lambda: aggregators.automatic_clip(),
+    # Clipping steps before mean: the chain's shares are local, as its rule's.
+    "clip_mean": lambda: aggregators.chain(aggregators.clip(0.5), aggregators.mean()),
     "dp_noise_0": lambda: privacy.dp_gaussian(0.5, 0.0, seed=5, diagnostics=True),
     "dp_noise_1": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5),
     # Divides by a constant, not the batch size; the materialized path.
@@ -294,7 +296,7 @@ def test_tensorflow_mirrored_strategy_exact_rules_and_refusals():
         assert difference <= 1e-6 and same_logs, (key, difference, same_logs)
     assert min(report["moved"].values()) > 1e-3, report["moved"]
     assert report["noise"] > 1e-3, report["noise"]  # the noise is on
-    assert len(report["several"]) == 29, report["several"]
+    assert len(report["several"]) == 30, report["several"]
     for key, (difference, logs, spread) in report["several"].items():
         # Same weights and logs (loss, clipped_fraction, gradient_norm) as one device;
         # the replicas' copies identical (one noise, added once).

@@ -5,6 +5,7 @@ Run once per backend: ``KERAS_BACKEND=torch pytest tests/test_structure.py``.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pathlib
@@ -72,3 +73,120 @@ def test_nothing_imports_keras_hub():
     """keras-hub's layers get their rules by dotted path: it stays optional."""
     pattern = re.compile(r"^\s*(import|from)\s+keras_hub\b|import_module\(\s*['\"]keras_hub", re.MULTILINE)
     assert [str(p.relative_to(SOURCE)) for p in SOURCE.rglob("*.py") if pattern.search(p.read_text())] == []
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(SOURCE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``module -> modules of src/pergrad it imports``, at module level or inside functions.
+
+    ``from a import b`` counts as an import of ``a.b`` when that is a module, else of
+    ``a``; relative imports are resolved. A package's ``__init__`` is a node of its own
+    (importing ``a.b`` is not counted as importing ``a``).
+    """
+    files = {_module_name(path): path for path in SOURCE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parent + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
+                           for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    imported.add(target)
+        graph[name] = imported
+    return graph
+
+
+def import_cycles(graph) -> list[list[str]]:
+    """The strongly connected components of more than one module, each as one cycle
+    through some of its modules (``a -> b -> a``)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(set(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    cycles = []
+    for component in components:
+        start = min(component)
+        # The shortest way back to `start` inside the component (breadth first).
+        paths, seen = [[start]], {start}
+        while paths:
+            path = paths.pop(0)
+            following = sorted(graph[path[-1]] & component)
+            if start in following:
+                cycles.append(path + [start])
+                break
+            for other in following:
+                if other not in seen:
+                    seen.add(other)
+                    paths.append(path + [other])
+    return cycles
+
+
+def test_the_import_graph_finds_a_cycle(tmp_path, monkeypatch):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.sub import b\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "b.py").write_text("def f():\n    from .. import a\n")
+    (package / "c.py").write_text("from pkg import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "SOURCE", package)
+    graph = import_graph()
+    assert graph["pkg.c"] == {"pkg.a"} and graph["pkg.sub.b"] == {"pkg.a"}
+    assert import_cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
+
+
+def test_no_import_cycle_in_the_package():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_engine_and_the_replicas_ask_rules_instead_of_importing_them():
+    """Path choice and replica policy come from what rules declare (``aggregators.base``)."""
+    graph = import_graph()
+    asking = [name for name in graph if name.startswith("pergrad.engine") or name == "pergrad.replicas"]
+    rules = ("pergrad.aggregators", "pergrad.privacy")
+    concrete = {
+        name: sorted(m for m in graph[name] if m.startswith(rules) and m != "pergrad.aggregators.base")
+        for name in asking
+    }
+    assert concrete == {name: [] for name in asking}
+    assert graph["pergrad.replicas"] <= {"pergrad.backend"}  # the collectives, under the step

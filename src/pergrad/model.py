@@ -142,7 +142,7 @@ class PerExampleModel(_TrainStep, keras.Model):
         count = replicas.count(self)
         if count <= 1:
             return
-        reason = replicas.refusal(self)
+        reason = step.replica_refusal(self)
         if reason is None:  # exact on TF (pergrad.replicas)
             return
         engine = _REPLICA_ENGINES.get(keras.backend.backend(), "a distribution")
@@ -294,7 +294,7 @@ class PerExampleModel(_TrainStep, keras.Model):
 
         callbacks = args[3] if len(args) > 3 else kwargs.get("callbacks")
         if getattr(self.aggregator, "differentially_private", False):
-            from pergrad.privacy.validation import check_dp_fit
+            from pergrad.privacy.callbacks import check_dp_fit
 
             # Refuses example-mixing layers and an accountant that does not match the
             # sampler or the rule; warns without Poisson sampling.

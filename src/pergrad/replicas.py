@@ -4,8 +4,9 @@ Keras's TF trainer runs ``train_step`` on every replica with its shard of the
 batch and the optimizer sums the replicas' gradients. Each replica returns a
 part of the single-device result, so that the sum is that result
 (docs/architecture.md, 'Multi-device training'): rules whose weights need no
-other example's gradient (:func:`local_share`) aggregate their shard, scaled
-by its share of the batch; the others see the whole batch through all-gathers
+other example's gradient (their ``distribution``; ``pergrad.step`` decides)
+aggregate their shard, scaled by its share of the batch (:func:`local_fraction`)
+unless they sum; the others see the whole batch through all-gathers
 (:func:`gather`: norms, each layer's ``A`` and ``D``, or per-example gradients)
 and take their own rows (:func:`local_rows`), their own coordinates
 (:func:`owns`) or, on replica 0, the whole result (:func:`first_replica`). DP
@@ -27,59 +28,6 @@ from pergrad.backend import adapter
 def count(model=None) -> int:
     """How many replicas each run the train step on their own part of the batch."""
     return adapter().replicas(model)
-
-
-def refusal(wrapper) -> str | None:
-    """Why ``wrapper`` (a ``PerExampleModel``) cannot train exactly on several replicas, or ``None``."""
-    if keras.backend.backend() != "tensorflow":
-        return "replicas that each run the train step are supported on TensorFlow only"
-    if wrapper.microbatch_size is not None and not local_share(wrapper.aggregator):
-        from pergrad import step
-
-        path = step.engine_path(wrapper.aggregator, wrapper.engine_path, wrapper.microbatch_size)
-        if path == step.CHUNKED_PATH:
-            return (
-                f"with microbatch_size, {type(wrapper.aggregator).__name__} takes the chunked "
-                "path, whose statistics would be those of one replica's shard; without "
-                "microbatch_size it takes the statistics path, which forms no B x P tensor"
-            )
-    if not (getattr(wrapper, "compiled", False) and wrapper.model.built):
-        return None  # checked again when the step is traced
-    problem = wrapper._problem()
-    if problem.sum_reduction:
-        return (
-            "a 'sum'-reduced loss scales each example's loss by the batch size, which "
-            "differs between a replica's shard and the whole batch"
-        )
-    return None
-
-
-def local_share(aggregator) -> bool:
-    """Whether each replica aggregates its own shard and the replicas' sum, each scaled
-    by its :func:`local_fraction` unless the rule :func:`ignores_batch_size`, is the
-    single-device result (no example needs another's gradient); otherwise the rule
-    runs on the whole batch, gathered."""
-    from pergrad.aggregators.basic import Clip, Mean, Sum
-    from pergrad.aggregators.clipping import AutomaticClip
-
-    local = (Mean, Sum, Clip, AutomaticClip)
-    try:
-        from pergrad.privacy.dp_sgd import DPGaussian
-
-        local += (DPGaussian,)
-    except ImportError:  # pragma: no cover - dp-accounting missing
-        pass
-    return type(aggregator) in local
-
-
-def ignores_batch_size(aggregator) -> bool:
-    """Whether ``aggregator``'s result is a plain sum over the examples, whatever their
-    number (``sum``; ``dp_gaussian`` with a fixed ``expected_batch_size``): zero-weight
-    padding rows change nothing, and replicas' results over their shards simply add up.
-    Every other rule divides by the batch size, or takes order statistics over it."""
-    from pergrad.aggregators.basic import Sum
-
-    return type(aggregator) is Sum or getattr(aggregator, "expected_batch_size", None) is not None
 
 
 def local_fraction(local_size):

@@ -13,7 +13,13 @@ import keras
 from keras import ops, tree
 
 from pergrad import compat, replicas
-from pergrad.aggregators.base import STATISTICS, check_result, zero_non_finite_examples
+from pergrad.aggregators.base import (
+    LOCAL_MEAN,
+    STATISTICS,
+    WHOLE_BATCH,
+    check_result,
+    zero_non_finite_examples,
+)
 from pergrad.aggregators.compose import TwoLevel
 from pergrad.engine import chunked, statistics, streaming
 
@@ -45,6 +51,31 @@ def engine_path(aggregator, path: str, microbatch_size: int | None) -> str:
     if microbatch_size is not None and weighted:
         return CHUNKED_PATH
     return MATERIALIZED_PATH
+
+
+def replica_refusal(wrapper) -> str | None:
+    """Why ``wrapper`` (a ``PerExampleModel``) cannot train exactly on several replicas
+    that each run the step (``pergrad.replicas``), or ``None``."""
+    if keras.backend.backend() != "tensorflow":
+        return "replicas that each run the train step are supported on TensorFlow only"
+    aggregator = wrapper.aggregator
+    if aggregator.distribution == WHOLE_BATCH and (
+        engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size) == CHUNKED_PATH
+    ):
+        return (
+            f"with microbatch_size, {type(aggregator).__name__} takes the chunked "
+            "path, whose statistics would be those of one replica's shard; without "
+            "microbatch_size it takes the statistics path, which forms no B x P tensor"
+        )
+    if not (getattr(wrapper, "compiled", False) and wrapper.model.built):
+        return None  # checked again when the step is traced
+    problem = wrapper._problem()
+    if problem.sum_reduction:
+        return (
+            "a 'sum'-reduced loss scales each example's loss by the batch size, which "
+            "differs between a replica's shard and the whole batch"
+        )
+    return None
 
 
 def loss_scale(optimizer, variables):
@@ -96,10 +127,11 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     share = None
     engine_scale = scale
     several = replicas.count(wrapper) > 1
-    # On several replicas (pergrad.replicas): each aggregates its shard, scaled by its
-    # share of the batch, or the rule runs on the whole batch, gathered.
-    gathered = several and not replicas.local_share(aggregator)
-    divides = several and not gathered and not replicas.ignores_batch_size(aggregator)
+    # On several replicas (pergrad.replicas), as the rule's distribution says: each
+    # aggregates its shard, scaled by its share of the batch unless the rule sums, or
+    # the rule runs on the whole batch, gathered.
+    gathered = several and aggregator.distribution == WHOLE_BATCH
+    divides = several and aggregator.distribution == LOCAL_MEAN
     if divides or (several and scale is not None):
         fraction = replicas.local_fraction(ops.shape(tree.flatten(x)[0])[0])  # B_r / B
         if divides:

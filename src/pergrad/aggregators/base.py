@@ -34,6 +34,20 @@ COORDINATE = "coordinate"
 ARBITRARY = "arbitrary"
 KINDS = (STATISTICS, COORDINATE, ARBITRARY)
 
+# How a rule's result over a batch follows from its results over parts of the batch
+# (``Aggregator.distribution``; each replica's shard: docs/architecture.md,
+# 'Multi-device training').
+#: The parts' results weighted by their share of the examples: each example's weight
+#: needs no other example's gradient, and the rule divides by the batch size (mean, clip).
+LOCAL_MEAN = "local-mean"
+#: The parts' results summed: zero-weight padding rows change nothing (sum;
+#: ``dp_gaussian`` with ``expected_batch_size``).
+LOCAL_SUM = "local-sum"
+#: Neither (order statistics, norms compared across examples): on several replicas the
+#: rule runs on the whole batch, gathered.
+WHOLE_BATCH = "whole-batch"
+DISTRIBUTIONS = (LOCAL_MEAN, LOCAL_SUM, WHOLE_BATCH)
+
 _REGISTERED: dict[str, Callable[[], Aggregator]] = {}
 
 
@@ -69,6 +83,18 @@ def batch_sum(values):
     return ops.reshape(total, ops.shape(values)[1:])
 
 
+def protocol_form(method):
+    """Marks an ``aggregate`` or ``preprocess`` as the one the rule's protocol derives from
+    its parts, perhaps computed faster: a statistics rule's ``finalize`` of
+    ``sum_i w_i g_i`` with its ``example_weights``, a coordinate rule's
+    ``aggregate_variable`` on each variable, a step's :meth:`~Aggregator.row_map` applied.
+    The engine may then use the parts instead (:meth:`Aggregator.in_protocol_form`). A
+    subclass that defines its own method is not marked unless it says so, and the
+    engine then calls that method."""
+    method.protocol_form = True
+    return method
+
+
 def static_batch_size(gradients) -> int | None:
     size = gradients[0].shape[0]
     return int(size) if size is not None else None
@@ -97,6 +123,12 @@ class Aggregator(keras.layers.Layer):
     #: only (median, trimmed mean): the streaming path may then aggregate a
     #: variable in parts to bound memory (``microbatch_size``).
     coordinatewise: bool = False
+    #: How the result splits over parts of the batch (:data:`LOCAL_MEAN`,
+    #: :data:`LOCAL_SUM` or :data:`WHOLE_BATCH`): whether each replica may aggregate its
+    #: own shard (``pergrad.step``), and whether padding rows matter. A subclass
+    #: inherits its parent's; one whose weights read other examples must set
+    #: ``WHOLE_BATCH``.
+    distribution: str = WHOLE_BATCH
 
     def __init__(self, **kwargs):
         kwargs.setdefault("dtype", "float32")
@@ -126,6 +158,19 @@ class Aggregator(keras.layers.Layer):
     def aggregate(self, gradients: list) -> list:
         raise NotImplementedError
 
+    def in_protocol_form(self, method: str) -> bool:
+        """Whether this rule's ``method`` (``"aggregate"``, ``"preprocess"``) is the one its
+        protocol derives from its parts (:func:`protocol_form`), so that the engine may
+        compute it from them: the statistics path from ``example_weights`` and
+        ``finalize``, the streaming path variable by variable and from ``row_map``."""
+        return getattr(getattr(type(self), method), "protocol_form", False)
+
+    def steps_and_rule(self):
+        """``(steps, rule)`` when this rule is pre-processing steps followed by another
+        rule (``chain``, ``bucketing(size, rule)``), which the streaming path may apply to
+        each layer's ``A`` and ``D``; ``None`` (the default) when it is one rule."""
+        return None
+
     def update_allowed(self):
         """A scalar boolean tensor, read before each train step: ``False`` makes the step
         apply no update (a DP rule's budget); ``None`` (the default): always allowed."""
@@ -150,6 +195,9 @@ class Aggregator(keras.layers.Layer):
 
     #: Whether :meth:`row_map` reads per-example statistics (squared norms).
     map_reads_statistics: bool = False
+    #: Whether an output row of :meth:`row_map` combines several examples (bucketing):
+    #: its statistics then do not follow from theirs.
+    mixes_examples: bool = False
 
     def row_map(self, stats: ExampleStatistics | None, batch_size) -> RowMap:
         """The pre-processing step as a linear map of the batch (:class:`RowMap`).
@@ -494,9 +542,21 @@ class WeightedAggregator(Aggregator):
     kind = STATISTICS
     #: Whether :meth:`example_weights` reads ``stats.gram``.
     needs_gram: bool = False
-    #: Whether the weights depend on the statistics at all (``mean`` and ``sum``:
-    #: no, so their result costs one ordinary backward pass).
+    #: Whether the weights depend on the statistics at all. ``False`` (``mean``,
+    #: ``sum``) declares that every example weighs the same, ``1 / B`` or ``1`` as
+    #: :attr:`distribution` (:data:`LOCAL_MEAN` or :data:`LOCAL_SUM`) says: the result is
+    #: then the gradient of the batch loss, one ordinary backward pass.
     reads_statistics: bool = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not cls.reads_statistics and cls.distribution not in (LOCAL_MEAN, LOCAL_SUM):
+            raise TypeError(
+                f"{cls.__name__} sets reads_statistics = False, which declares that every "
+                "example weighs the same (1 / B or 1), but its distribution is "
+                f"{cls.distribution!r}: set distribution to LOCAL_MEAN (weights 1 / B) or "
+                "LOCAL_SUM (weights 1), or leave reads_statistics True."
+            )
 
     def example_weights(self, stats: ExampleStatistics):
         """Returns weights of shape ``(B,)`` or ``(B, V)`` (one per variable)."""
@@ -506,6 +566,7 @@ class WeightedAggregator(Aggregator):
         """The result from ``sum_i w_i g_i`` and the statistics the weights came from."""
         return result
 
+    @protocol_form
     def aggregate(self, gradients):
         stats = ExampleStatistics.from_gradients(gradients, gram=self.needs_gram)
         return self.finalize(weighted_sum(gradients, self.example_weights(stats)), stats)
@@ -531,6 +592,8 @@ class ScaledMean(WeightedAggregator):
 
     #: Whether the scales are per variable (``(B, V)``) rather than flat (``(B,)``).
     per_layer: bool = False
+    # Each example's scale comes from its own norms: the mean splits over the shards.
+    distribution = LOCAL_MEAN
 
     def example_scales(self, stats: ExampleStatistics):
         """Returns ``(B,)`` factors, or ``(B, V)`` with ``per_layer``."""
@@ -544,6 +607,7 @@ class ScaledMean(WeightedAggregator):
     def row_map(self, stats, batch_size):
         return RowMap.scaling(self.example_scales(stats))
 
+    @protocol_form
     def preprocess(self, gradients):
         return self.apply_row_map(gradients)
 
@@ -557,6 +621,7 @@ class CoordinateAggregator(Aggregator):
     def aggregate_variable(self, gradient):
         raise NotImplementedError
 
+    @protocol_form
     def aggregate(self, gradients):
         return [self.aggregate_variable(g) for g in gradients]
 
@@ -583,6 +648,7 @@ class FunctionAggregator(Aggregator):
         """A ``per_variable`` function's result for one variable (the streaming path's unit)."""
         return self.aggregate([gradient])[0]
 
+    @protocol_form  # with per_variable (kind coordinate); other kinds have no parts
     def aggregate(self, gradients):
         if self.per_variable:
             result = [self.function(g) for g in gradients]

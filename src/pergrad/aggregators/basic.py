@@ -10,10 +10,13 @@ from keras import ops
 from pergrad import replicas
 from pergrad.aggregators import selection
 from pergrad.aggregators.base import (
+    LOCAL_MEAN,
+    LOCAL_SUM,
     CoordinateAggregator,
     ExampleStatistics,
     ScaledMean,
     WeightedAggregator,
+    protocol_form,
     register,
 )
 from pergrad.arguments import check_number
@@ -28,11 +31,13 @@ class Mean(WeightedAggregator):
     """The batch mean: what plain Keras ``fit()`` uses."""
 
     reads_statistics = False
+    distribution = LOCAL_MEAN
 
     def example_weights(self, stats: ExampleStatistics):
         size = stats.batch_size
         return ops.full((size,), 1.0, dtype="float32") / ops.cast(size, "float32")
 
+    @protocol_form
     def aggregate(self, gradients):
         # Needs no statistics: a plain reduction lets XLA fuse it into the
         # backward pass instead of materializing every per-example gradient.
@@ -44,10 +49,12 @@ class Sum(WeightedAggregator):
     """The sum over the batch."""
 
     reads_statistics = False
+    distribution = LOCAL_SUM
 
     def example_weights(self, stats: ExampleStatistics):
         return ops.ones((stats.batch_size,), dtype="float32")
 
+    @protocol_form
     def aggregate(self, gradients):
         return [ops.sum(g, axis=0) for g in gradients]
 

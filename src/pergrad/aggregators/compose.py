@@ -24,12 +24,14 @@ from pergrad import compat, replicas
 from pergrad.aggregators.base import (
     ARBITRARY,
     STATISTICS,
+    WHOLE_BATCH,
     Aggregator,
     ExampleStatistics,
     RowMap,
     ScaledMean,
     WeightedAggregator,
     get,
+    protocol_form,
 )
 from pergrad.arguments import check_integer
 from pergrad.backend import adapter
@@ -105,8 +107,11 @@ class Chain(WeightedAggregator):
         if final.kind == STATISTICS and scalings and (flat or not final.needs_gram):
             self.kind = STATISTICS
             self.needs_gram = final.needs_gram
+            # Each step scales an example by its own norms: the chain splits as its rule.
+            self.distribution = final.distribution
         else:
             self.kind = ARBITRARY
+            self.distribution = WHOLE_BATCH
         names = [name for step in steps for name in step.diagnostics]
         self._report_names = [
             {name: name if names.count(name) == 1 else f"step{i}_{name}" for name in step.diagnostics}
@@ -151,6 +156,10 @@ class Chain(WeightedAggregator):
         # (DP rules, whose noise does, are refused in chains).
         return self.steps[-1].finalize(result, stats)
 
+    def steps_and_rule(self):
+        return list(self.steps[:-1]), self.steps[-1]
+
+    @protocol_form  # with kind statistics, the only kind whose protocol has parts here
     def aggregate(self, gradients):
         if self.kind == STATISTICS:
             return super().aggregate(gradients)
@@ -199,6 +208,7 @@ class Bucketing(Aggregator):
     """
 
     kind = ARBITRARY
+    mixes_examples = True
 
     def __init__(self, size: int, aggregator=None, seed: int | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -248,8 +258,12 @@ class Bucketing(Aggregator):
             ops.reshape(weights, (count, self.size, 1)),
         )
 
+    @protocol_form
     def preprocess(self, gradients):
         return self.apply_row_map(gradients)
+
+    def steps_and_rule(self):
+        return None if self.aggregator is None else ([self], self.aggregator)
 
     def aggregate(self, gradients):
         if self.aggregator is None:

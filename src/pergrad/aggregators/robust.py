@@ -29,6 +29,7 @@ from pergrad.aggregators.base import (
     WeightedAggregator,
     batch_size_of,
     batch_sum,
+    protocol_form,
     register,
     weighted_sum,
 )
@@ -355,6 +356,7 @@ class NormFilter(WeightedAggregator):
     def output_batch_size(self, batch_size: int) -> int:
         return batch_size - math.floor(self.drop_fraction * batch_size)
 
+    @protocol_form
     def preprocess(self, gradients):
         if self.drop_fraction is None:
             raise TypeError(

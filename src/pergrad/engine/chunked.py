@@ -33,13 +33,13 @@ import math
 from keras import ops, tree
 
 from pergrad.aggregators.base import (
+    LOCAL_MEAN,
     STATISTICS,
     ExampleStatistics,
     WeightedAggregator,
     squared_norms_of_rows,
     zero_non_finite_examples,
 )
-from pergrad.aggregators.basic import Mean, Sum
 from pergrad.backend import adapter
 
 
@@ -47,16 +47,12 @@ def supports(aggregator) -> bool:
     """Whether ``aggregator``'s result can be accumulated chunk by chunk.
 
     A statistics rule whose ``aggregate`` is the protocol's (``example_weights``
-    then ``finalize``), or one of pergrad's that this module reproduces (mean,
-    sum, chain). A subclass that
-    overrides ``aggregate`` gets all ``B`` per-example gradients, as before.
+    then ``finalize``: :meth:`~pergrad.aggregators.Aggregator.in_protocol_form`). A
+    subclass that overrides ``aggregate`` gets all ``B`` per-example gradients.
     """
-    from pergrad.aggregators.compose import Chain
-
     if not isinstance(aggregator, WeightedAggregator) or aggregator.kind != STATISTICS:
         return False
-    known = (WeightedAggregator, Mean, Sum, Chain)
-    return type(aggregator).aggregate in {cls.aggregate for cls in known}
+    return aggregator.in_protocol_form("aggregate")
 
 
 def _rows(gradients):
@@ -182,7 +178,7 @@ def aggregate(
     shared = {"non_trainable": non_trainable, "loss_scale": example_loss_scale}
     chunks = _Chunks(batched, batch_size, chunk)
     private = getattr(aggregator, "differentially_private", False)
-    one_pass = type(aggregator) in (Mean, Sum)
+    one_pass = not aggregator.reads_statistics  # every weight 1 / B or 1
     shapes = [tuple(v.shape) for v in trainable_values]
 
     def gradients(inputs):
@@ -239,7 +235,7 @@ def aggregate(
     gradient_scale = partial * gradient_constant
 
     if one_pass:
-        if isinstance(aggregator, Mean):
+        if aggregator.distribution == LOCAL_MEAN:  # 1 / B
             gradient_constant = gradient_constant / ops.cast(batch_size, "float32")
         result = [
             ops.reshape(s * ops.cast(gradient_constant, s.dtype), shape)

@@ -35,6 +35,7 @@ from keras import ops, tree
 
 from pergrad import compat, replicas
 from pergrad.aggregators.base import (
+    LOCAL_SUM,
     ExampleStatistics,
     RowMap,
     overflow_safe,
@@ -42,7 +43,6 @@ from pergrad.aggregators.base import (
     scaled_squared_norms_of_rows,
     zero_examples,
 )
-from pergrad.aggregators.basic import Mean, Sum
 from pergrad.backend import NotVectorizable, adapter
 from pergrad.engine.materialized import per_example_gradients
 from pergrad.engine.problem import _bounded_get, _map, _problem, check_model
@@ -809,7 +809,7 @@ def _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, b
     factor = None  # (skipped when 1: every op costs on an eager backend)
     if loss_scale is not None:
         factor = 1.0 / ops.cast(loss_scale, "float32")
-    if isinstance(aggregator, Sum):
+    if aggregator.distribution == LOCAL_SUM:  # weights 1, not 1 / B
         size = ops.cast(batch_size, "float32")
         factor = size if factor is None else factor * size
     variables = problem.model.trainable_variables
@@ -873,7 +873,8 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale
     )
     variables = problem.model.trainable_variables
-    if type(aggregator) in (Mean, Sum) and not _draws_random(problem, trainable_values, batched, shared):
+    # Every example weighs the same (reads_statistics): Keras's own batch gradient.
+    if not aggregator.reads_statistics and not _draws_random(problem, trainable_values, batched, shared):
         return _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, batched,
                                     loss_scale, batch_size)
 

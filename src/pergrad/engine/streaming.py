@@ -23,35 +23,8 @@ from __future__ import annotations
 from keras import ops
 
 from pergrad import replicas
-from pergrad.aggregators.base import (
-    STATISTICS,
-    Aggregator,
-    CoordinateAggregator,
-    ExampleStatistics,
-    FunctionAggregator,
-)
-from pergrad.aggregators.compose import Bucketing, Chain
+from pergrad.aggregators.base import COORDINATE, ExampleStatistics
 from pergrad.engine import statistics
-
-
-def _owner(cls, name):
-    """The class of ``cls``'s MRO that defines attribute ``name``."""
-    return next(klass for klass in cls.__mro__ if name in vars(klass))
-
-
-def _final(aggregator):
-    """``aggregator`` if it works variable by variable, else ``None``."""
-    if isinstance(aggregator, FunctionAggregator):
-        return aggregator if aggregator.per_variable else None
-    per_variable = _owner(type(aggregator), "aggregate") is CoordinateAggregator
-    return aggregator if isinstance(aggregator, CoordinateAggregator) and per_variable else None
-
-
-def _is_linear_step(step) -> bool:
-    """Whether a pre-processing step is its :meth:`~Aggregator.row_map` (not a ``preprocess`` of its own)."""
-    cls = type(step)
-    defines = _owner(cls, "row_map")
-    return defines is not Aggregator and _owner(cls, "preprocess") is defines
 
 
 def plan(aggregator):
@@ -63,24 +36,24 @@ def plan(aggregator):
     statistics after a bucketing is not covered (a bucket mean's norms need more
     than per-example norms).
     """
-    if type(aggregator) is Bucketing and aggregator.aggregator is not None:
-        outer, last = [aggregator], aggregator.aggregator
-    elif type(aggregator) is Chain and aggregator.kind != STATISTICS:
-        outer, last = list(aggregator.steps[:-1]), aggregator.steps[-1]
-    else:
-        final = _final(aggregator)
-        return None if final is None else ([], final)
+    parts = aggregator.steps_and_rule()
+    if parts is None:
+        # A rule that works variable by variable (its aggregate is aggregate_variable's).
+        variable_wise = aggregator.kind == COORDINATE and aggregator.in_protocol_form("aggregate")
+        return ([], aggregator) if variable_wise else None
+    outer, last = parts
     inner = plan(last)
     if inner is None:
         return None
-    every, final = outer + inner[0], inner[1]
-    if not all(_is_linear_step(step) for step in every):
+    every, final = list(outer) + inner[0], inner[1]
+    # Each step its row map (not a preprocess of its own).
+    if not all(step.in_protocol_form("preprocess") for step in every):
         return None
     mixing = False
     for step in every:
         if mixing and step.map_reads_statistics:
             return None
-        mixing = mixing or isinstance(step, Bucketing)
+        mixing = mixing or step.mixes_examples
     return every, final
 
 

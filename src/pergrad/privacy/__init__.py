@@ -29,6 +29,7 @@ from pergrad.privacy.accounting import (
 from pergrad.privacy.callbacks import (
     PrivacyAccountant,
     PrivacyBudgetExhaustedError,
+    check_dp_fit,
 )
 from pergrad.privacy.dp_sgd import (
     DPGaussian,
@@ -43,7 +44,6 @@ from pergrad.privacy.sampling import (
 from pergrad.privacy.validation import (
     NotPoissonSampledWarning,
     NotPrivateError,
-    check_dp_fit,
     validate_model_for_dp,
 )
 

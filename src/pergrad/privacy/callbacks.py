@@ -1,4 +1,5 @@
-"""A callback that logs DP-SGD's ``epsilon`` and enforces a privacy budget."""
+"""A callback that logs DP-SGD's ``epsilon`` and enforces a privacy budget, and the
+checks of a DP ``fit`` call that involve it (:func:`check_dp_fit`)."""
 
 from __future__ import annotations
 
@@ -9,26 +10,17 @@ import keras
 
 from pergrad import replicas
 from pergrad.privacy.accounting import epsilon, make_accountant, steps_within_budget
-from pergrad.privacy.dp_sgd import UNLIMITED_STEPS
-from pergrad.privacy.validation import check_accountant_matches, validate_model_for_dp
+from pergrad.privacy.dp_sgd import UNLIMITED_STEPS, steps_taken
+from pergrad.privacy.sampling import PoissonSampler
+from pergrad.privacy.validation import (
+    NotPoissonSampledWarning,
+    check_accountant_matches,
+    validate_model_for_dp,
+)
 
 
 class PrivacyBudgetExhaustedError(RuntimeError):
     """Training was asked to continue after the privacy budget was spent."""
-
-
-def steps_taken(model) -> int:
-    """The number of steps the model has taken, for accounting and sampling.
-
-    For a DP rule, its ``step_count`` variable: model state, restored with the
-    weights by every Keras path and never reset by ``compile()``. Otherwise
-    ``optimizer.iterations`` (0 without an optimizer).
-    """
-    aggregator = getattr(model, "aggregator", None)
-    if getattr(aggregator, "differentially_private", False):
-        return int(keras.ops.convert_to_numpy(aggregator.step_count)) if aggregator.built else 0
-    optimizer = getattr(model, "optimizer", None)
-    return int(keras.ops.convert_to_numpy(optimizer.iterations)) if optimizer is not None else 0
 
 
 class PrivacyAccountant(keras.callbacks.Callback):
@@ -175,3 +167,59 @@ class PrivacyAccountant(keras.callbacks.Callback):
         self._read_steps()
         if logs is not None:
             logs[self.log_name] = self.epsilon
+
+
+def _accountants(callbacks) -> list:
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    return [c for c in callbacks if isinstance(c, PrivacyAccountant)]
+
+
+def check_dp_fit(model, x=None, callbacks=None) -> None:
+    """Checks a ``fit(x, ...)`` call of a ``PerExampleModel`` with a DP aggregator.
+
+    Does nothing unless ``model.aggregator`` is differentially private
+    (``pergrad.privacy.dp_gaussian``). Then: validates the wrapped model
+    (:func:`validate_model_for_dp`); warns
+    (:class:`NotPoissonSampledWarning`) when ``x`` is not a
+    :class:`PoissonSampler`, since the accountant assumes Poisson sampling;
+    with a sampler, raises if the aggregator has no ``expected_batch_size``
+    (the padded batch's size is not the number of examples) and warns if it
+    differs from ``sampler.expected_batch_size``. Raises if a
+    :class:`~pergrad.privacy.PrivacyAccountant` among ``callbacks`` has
+    another noise multiplier than the rule, or another sampling rate than the
+    sampler.
+    """
+    aggregator = getattr(model, "aggregator", None)
+    if not getattr(aggregator, "differentially_private", False):
+        return
+    inner = getattr(model, "model", model)
+    validate_model_for_dp(inner)
+    for accountant in _accountants(callbacks):
+        check_accountant_matches(accountant, aggregator, x if isinstance(x, PoissonSampler) else None)
+    if not isinstance(x, PoissonSampler):
+        warnings.warn(
+            "Training a DP model on batches that are not Poisson samples: the epsilon "
+            "of pergrad.privacy.epsilon and PrivacyAccountant assumes each example is "
+            "included independently with probability q at every step. Use "
+            "pergrad.privacy.PoissonSampler(x, y, sampling_rate=q).",
+            NotPoissonSampledWarning,
+            stacklevel=3,
+        )
+        return
+    expected = aggregator.expected_batch_size
+    if expected is None:
+        raise ValueError(
+            "A PoissonSampler pads its batches with zero-weight rows, so the DP aggregator "
+            "needs the expected batch size as its denominator: "
+            f"dp_gaussian(..., expected_batch_size={x.expected_batch_size:g})."
+        )
+    if abs(expected - x.expected_batch_size) > 1e-6 * x.expected_batch_size:
+        warnings.warn(
+            f"The DP aggregator divides by expected_batch_size={expected:g} but the "
+            f"sampler's expected batch size is {x.expected_batch_size:g} "
+            f"(sampling_rate * dataset_size).",
+            stacklevel=3,
+        )

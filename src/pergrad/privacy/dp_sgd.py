@@ -22,13 +22,27 @@ import numpy as np
 from keras import ops
 
 from pergrad import replicas
-from pergrad.aggregators.base import ExampleStatistics, WeightedAggregator
+from pergrad.aggregators.base import LOCAL_MEAN, LOCAL_SUM, ExampleStatistics, WeightedAggregator
 from pergrad.aggregators.basic import clip_factors
 from pergrad.arguments import check_number
 from pergrad.privacy import noise
 
 #: ``DPGaussian.step_limit`` without a budget.
 UNLIMITED_STEPS = 2**31 - 1
+
+
+def steps_taken(model) -> int:
+    """The number of steps the model has taken, for accounting and sampling.
+
+    For a DP rule, its ``step_count`` variable: model state, restored with the
+    weights by every Keras path and never reset by ``compile()``. Otherwise
+    ``optimizer.iterations`` (0 without an optimizer).
+    """
+    aggregator = getattr(model, "aggregator", None)
+    if getattr(aggregator, "differentially_private", False):
+        return int(keras.ops.convert_to_numpy(aggregator.step_count)) if aggregator.built else 0
+    optimizer = getattr(model, "optimizer", None)
+    return int(keras.ops.convert_to_numpy(optimizer.iterations)) if optimizer is not None else 0
 
 
 @keras.saving.register_keras_serializable(package="pergrad")
@@ -235,6 +249,12 @@ class DPGaussian(WeightedAggregator):
     def noise_stddev(self) -> float:
         """Standard deviation of the noise added to each coordinate of the sum."""
         return self.noise_multiplier * self.l2_norm_clip
+
+    @property
+    def distribution(self) -> str:
+        """Each example clipped by its own norm, the noise added once: the replicas'
+        results add up over a fixed denominator, or are shares of the batch's mean."""
+        return LOCAL_MEAN if self.expected_batch_size is None else LOCAL_SUM
 
     def _denominator(self, stats: ExampleStatistics):
         if self.expected_batch_size is not None:

@@ -68,6 +68,8 @@ import numpy as np
 from keras import tree
 
 from pergrad import replicas
+from pergrad.aggregators.base import LOCAL_SUM, WHOLE_BATCH
+from pergrad.privacy.dp_sgd import steps_taken
 
 
 class BatchOverflowError(RuntimeError):
@@ -293,7 +295,8 @@ class PoissonSampler(keras.utils.PyDataset):
         """
         shards = batch_shards(model)
         aggregator = getattr(model, "aggregator", None)
-        if self.max_batch_size % shards and not replicas.ignores_batch_size(aggregator):
+        sums = getattr(aggregator, "distribution", WHOLE_BATCH) == LOCAL_SUM
+        if self.max_batch_size % shards and not sums:
             multiple = _round_up(self.max_batch_size, shards)
             raise ValueError(
                 f"PoissonSampler's batches (max_batch_size={self.max_batch_size}) do not split "
@@ -305,7 +308,7 @@ class PoissonSampler(keras.utils.PyDataset):
                 "(dp_gaussian with expected_batch_size, or sum)."
             )
         previous = self._multiple, self._buckets
-        self._multiple, self._buckets = shards, replicas.ignores_batch_size(aggregator)
+        self._multiple, self._buckets = shards, sums
         try:
             yield self
         finally:
@@ -391,6 +394,4 @@ class _StepSync(keras.callbacks.Callback):
         self.sampler = sampler
 
     def on_train_begin(self, logs=None):
-        from pergrad.privacy.callbacks import steps_taken
-
         self.sampler.set_step(steps_taken(self.model))

@@ -11,20 +11,19 @@ It is void when
   the forward pass): that state is released without noise;
 - the batches are not Poisson samples while the accountant assumes they are.
 
-:func:`validate_model_for_dp` refuses the first two; :func:`check_dp_fit`
-adds the third as a warning, for ``PerExampleModel.fit`` to call.
+:func:`validate_model_for_dp` refuses the first two;
+:func:`pergrad.privacy.callbacks.check_dp_fit` adds the third as a warning, for
+``PerExampleModel.fit`` to call.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import keras
 from keras import tree
 
 from pergrad import compat
-from pergrad.privacy.sampling import PoissonSampler
 
 
 class NotPrivateError(ValueError):
@@ -92,16 +91,6 @@ def validate_model_for_dp(model, x=None) -> None:
         )
 
 
-def _accountants(callbacks) -> list:
-    from pergrad.privacy.callbacks import PrivacyAccountant
-
-    if callbacks is None:
-        return []
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = callbacks.callbacks
-    return [c for c in callbacks if isinstance(c, PrivacyAccountant)]
-
-
 def check_accountant_matches(accountant, aggregator, sampler=None) -> None:
     """An accountant must describe the mechanism that runs: the rule's ``z``, the sampler's ``q``."""
     if not math.isclose(accountant.noise_multiplier, aggregator.noise_multiplier, rel_tol=1e-9):
@@ -117,52 +106,4 @@ def check_accountant_matches(accountant, aggregator, sampler=None) -> None:
             f"the PoissonSampler (sampling_rate={sampler.sampling_rate}): the logged "
             "epsilon would describe another mechanism. Pass "
             f"sampling_rate={sampler.sampling_rate} to the accountant."
-        )
-
-
-def check_dp_fit(model, x=None, callbacks=None) -> None:
-    """Checks a ``fit(x, ...)`` call of a ``PerExampleModel`` with a DP aggregator.
-
-    Does nothing unless ``model.aggregator`` is differentially private
-    (``pergrad.privacy.dp_gaussian``). Then: validates the wrapped model
-    (:func:`validate_model_for_dp`); warns
-    (:class:`NotPoissonSampledWarning`) when ``x`` is not a
-    :class:`PoissonSampler`, since the accountant assumes Poisson sampling;
-    with a sampler, raises if the aggregator has no ``expected_batch_size``
-    (the padded batch's size is not the number of examples) and warns if it
-    differs from ``sampler.expected_batch_size``. Raises if a
-    :class:`~pergrad.privacy.PrivacyAccountant` among ``callbacks`` has
-    another noise multiplier than the rule, or another sampling rate than the
-    sampler.
-    """
-    aggregator = getattr(model, "aggregator", None)
-    if not getattr(aggregator, "differentially_private", False):
-        return
-    inner = getattr(model, "model", model)
-    validate_model_for_dp(inner)
-    for accountant in _accountants(callbacks):
-        check_accountant_matches(accountant, aggregator, x if isinstance(x, PoissonSampler) else None)
-    if not isinstance(x, PoissonSampler):
-        warnings.warn(
-            "Training a DP model on batches that are not Poisson samples: the epsilon "
-            "of pergrad.privacy.epsilon and PrivacyAccountant assumes each example is "
-            "included independently with probability q at every step. Use "
-            "pergrad.privacy.PoissonSampler(x, y, sampling_rate=q).",
-            NotPoissonSampledWarning,
-            stacklevel=3,
-        )
-        return
-    expected = aggregator.expected_batch_size
-    if expected is None:
-        raise ValueError(
-            "A PoissonSampler pads its batches with zero-weight rows, so the DP aggregator "
-            "needs the expected batch size as its denominator: "
-            f"dp_gaussian(..., expected_batch_size={x.expected_batch_size:g})."
-        )
-    if abs(expected - x.expected_batch_size) > 1e-6 * x.expected_batch_size:
-        warnings.warn(
-            f"The DP aggregator divides by expected_batch_size={expected:g} but the "
-            f"sampler's expected batch size is {x.expected_batch_size:g} "
-            f"(sampling_rate * dataset_size).",
-            stacklevel=3,
         )
