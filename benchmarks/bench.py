@@ -1075,6 +1075,10 @@ def source_state() -> str:
         return "an unknown commit"
 
 
+#: read when the code was imported: a commit made while the benchmark runs is not the code it timed
+SOURCE_STATE = source_state()
+
+
 def describe_recipes():
     return {
         "tensorflow": "jacobian = tape.jacobian (pfor) of the loss vector; vmap = hand-written "
@@ -1381,7 +1385,7 @@ def main(argv=None):
         onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "TF's default")
         options.append(f"TF_ENABLE_ONEDNN_OPTS={onednn}")
     print(f"## {BACKEND} ({versions}; {platform.machine()}, {'; '.join(options)})\n")
-    print(f"pergrad {pergrad.__version__} at {source_state()}.")
+    print(f"pergrad {pergrad.__version__} at {SOURCE_STATE}.")
     if HAS_PATH:
         print("pergrad <agg> = PerExampleModel(..., path=\"auto\") (the statistics path for "
               "statistics rules); pergrad-mat <agg> = path=\"materialized\" (the vmap engine).")
@@ -1433,7 +1437,7 @@ def main(argv=None):
     if args.json:  # the header's facts too, for benchmarks/table.py
         with open(args.json, "w") as f:
             json.dump(dict(backend=BACKEND, versions=versions, options=options,
-                           source=source_state(), suite=args.suite, repeats=args.repeats,
+                           source=SOURCE_STATE, suite=args.suite, repeats=args.repeats,
                            memory=args.memory, timing=not args.memory_only, rows=rows,
                            peer_checks=peers.CHECKS), f, indent=1)
     return rows
