@@ -427,7 +427,7 @@ def zero_examples(keep, structure):
 
     def zeroed():
         def where(t):
-            if "float" not in keras.backend.standardize_dtype(t.dtype):
+            if not _is_float_tensor(t):
                 return t
             return ops.where(ops.reshape(keep, (-1,) + (1,) * (len(t.shape) - 1)), t, ops.zeros_like(t))
 
