@@ -36,7 +36,7 @@ the same q, z and step count for all rows, delta 1e-5). ``pad / real`` is
 the padding rows over the real rows of the batches trained on; ``traces`` the
 Python calls of the train step (JAX: one compile per batch shape; TensorFlow:
 traces that do not depend on the shapes; torch is eager: every step). Threads: 1 per library (``bench.py``'s
-setting).
+setting, ``process.py``).
 """
 
 from __future__ import annotations
@@ -59,14 +59,15 @@ BACKENDS = ("tensorflow", "jax", "torch")
 PADDING_DATASET, PADDING_EXPECTED = 60_000, 64
 
 
-def padding_cost(bench, repeats: int) -> dict:
+def padding_cost(repeats: int) -> dict:
     """The DP step on the benchmark's MLP 784-256-256-10 at the mean padded size of a Poisson
-    batch (its bucket) and at ``max_batch_size`` (one shape), interleaved (``bench.time_steppers``)."""
-    import argparse
-
+    batch (its bucket) and at ``max_batch_size`` (one shape), interleaved (``runner.time_steppers``)."""
     import numpy as np
 
+    from models import make_data
     from pergrad import privacy
+    from recipes import make_variant
+    from runner import Stepper, median_ratio, time_steppers
 
     n = PADDING_DATASET
     sampler = privacy.PoissonSampler(np.zeros((n, 1), "float32"), np.zeros(n),
@@ -74,32 +75,33 @@ def padding_cost(bench, repeats: int) -> dict:
     real = [len(sampler.indices_for_step(t)) for t in range(2000)]
     padded = [sampler.padded_size(k) for k in real]
     sizes = {"bucket": round(float(np.mean(padded))), "one shape": sampler.max_batch_size}
-    plain = bench.make_variant("plain", "mlp")
-    steppers = {"plain": bench.Stepper(plain, *bench.make_data("mlp", sizes["bucket"]))}
+    plain = make_variant("plain", "mlp")
+    steppers = {"plain": Stepper(plain, *make_data("mlp", sizes["bucket"]))}
     for rule in ("clip", "dp"):
         for label, rows in sizes.items():
-            model = bench.make_variant(f"pergrad {rule}", "mlp")
-            steppers[f"{rule} {label}"] = bench.Stepper(model, *bench.make_data("mlp", rows))
+            model = make_variant(f"pergrad {rule}", "mlp")
+            steppers[f"{rule} {label}"] = Stepper(model, *make_data("mlp", rows))
     options = argparse.Namespace(slow_factor=1e9, max_block=50, block_s=0.25, repeats=repeats, slow_steps=3)
-    samples, _, _, _ = bench.time_steppers("mlp", steppers, options, lambda message: None)
+    samples, _, _, _ = time_steppers("mlp", steppers, options, lambda message: None)
     total = sum(real)
     out = dict(rows=sizes, real_mean=float(np.mean(real)), pad_over_real=(sum(padded) - total) / total,
                old_pad_over_real=(len(real) * sampler.max_batch_size - total) / total,
                ms={name: 1e3 * statistics.median(times.values()) for name, times in samples.items()})
     for rule in ("clip", "dp"):
-        bucket, fixed = samples[f"{rule} bucket"], samples[f"{rule} one shape"]
-        ratios = [fixed[r] / bucket[r] for r in bucket if r in fixed]
-        out[f"{rule} one shape / bucket"] = statistics.median(ratios)
+        out[f"{rule} one shape / bucket"] = median_ratio(samples[f"{rule} one shape"],
+                                                         samples[f"{rule} bucket"])
     return out
 
 
 def child(backend: str, epochs: int, padding_repeats: int) -> dict:
     """One backend's rows (run with ``KERAS_BACKEND=backend``), interleaved epoch by epoch."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench  # one thread per library, set before the backend is imported
+    import process
 
-    bench.configure_threads(1)
+    process.before_backend_import(threads=1)  # one thread per library
     import keras
+
+    process.configure_threads(1)
     import numpy as np
 
     import pergrad
@@ -239,7 +241,7 @@ def child(backend: str, epochs: int, padding_repeats: int) -> dict:
     if "opacus" in runs:
         torch_version = "" if backend == "torch" else f", torch {_version('torch')}"
         versions += f"{torch_version}, opacus {_version('opacus')}"
-    padding = padding_cost(bench, padding_repeats) if padding_repeats else None
+    padding = padding_cost(padding_repeats) if padding_repeats else None
     return dict(backend=backend, versions=versions, rows=rows, padding=padding)
 
 

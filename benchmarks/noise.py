@@ -12,7 +12,7 @@ Rows (each called as a DP step calls it: inside ``jax.jit``, inside a ``tf.funct
 to the host):
 
 - ``pergrad noise``: ``pergrad.privacy.noise.gaussian_noise`` (128 secret-keyed bits per
-  value, docs/architecture.md "Noise generator");
+  value, the docs' "Noise generator");
 - ``pergrad words``: its random words alone (Threefry-4x32-20 on JAX/TF, NumPy's
   Philox-4x64-10 on torch), 4 per value;
 - ``keras.random.normal``: Keras's sampler with a seed generator (not secure: a 64-bit
@@ -34,17 +34,9 @@ import os
 import statistics
 import time
 
+from process import limit_threads
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-
-def limit_threads(threads: int):
-    if not threads:
-        return
-    for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
-        os.environ[name] = str(threads)
-    flags = f"--xla_cpu_multi_thread_eigen={'false' if threads == 1 else 'true'}"
-    flags += f" intra_op_parallelism_threads={threads}"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
 
 
 def samplers(size: int):

@@ -33,11 +33,9 @@ clipped mean) must agree to :data:`CHECK_TOLERANCE` (largest difference over
 the largest entry). The results are printed under the table (and saved with
 ``--json``); a peer that fails is a "failed: ..." row, not timed.
 
-TensorFlow Privacy needs ``tf.keras`` to be ``tf_keras``: :func:`before_backend_import`
-sets ``TF_USE_LEGACY_KERAS=1`` (Keras 3, which pergrad uses, never reads
-``tf.keras``) and ``sys.skip_tf_privacy_import`` (the package's own switch: its
-``__init__`` would import modules that need ``tensorflow-probability``), before
-TensorFlow is imported. Install with ``make bench-peers``: the ``bench`` extra
+TensorFlow Privacy needs ``tf.keras`` to be ``tf_keras``, set before TensorFlow is
+imported (``process.use_tf_keras_for_tf_privacy``, part of
+``process.before_backend_import``). Install with ``make bench-peers``: the ``bench`` extra
 (Opacus, jax-privacy), then without dependencies ``tf-keras`` of the installed
 TensorFlow's minor version (it requires the package ``tensorflow``, which would
 land beside ``tensorflow-cpu``) and TF Privacy (its pins would move TensorFlow,
@@ -50,12 +48,14 @@ NumPy and dp-accounting)::
 from __future__ import annotations
 
 import importlib.util
-import os
-import resource
-import sys
 import time
 
+import keras
 import numpy as np
+
+import models
+from process import tf_privacy_installed
+from runner import Stepper, Steps
 
 #: the recipes this module adds, with the backend each runs on
 RECIPES = {
@@ -73,15 +73,8 @@ CHECKS: list[dict] = []
 
 def installed(recipe: str) -> bool:
     if recipe.startswith("tf-privacy"):
-        return bool(importlib.util.find_spec("tensorflow_privacy") and importlib.util.find_spec("tf_keras"))
+        return tf_privacy_installed()
     return importlib.util.find_spec("jax_privacy") is not None
-
-
-def before_backend_import() -> None:
-    """TF Privacy's ``tf.keras`` must be ``tf_keras``: set before TensorFlow is imported."""
-    if installed("tf-privacy"):
-        os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-        sys.skip_tf_privacy_import = True
 
 
 def recipes_for(backend: str) -> list[str]:
@@ -140,7 +133,7 @@ def tf_privacy_registry():
     return registry
 
 
-def tf_keras_layers(kind: str, bench):
+def tf_keras_layers(kind: str):
     """The benchmark's model ``kind`` in tf_keras: ``(inputs, outputs)`` or a layer list."""
     import tensorflow as tf
     import tf_keras
@@ -153,28 +146,29 @@ def tf_keras_layers(kind: str, bench):
         return [layers.InputLayer((28, 28, 1)), layers.Conv2D(16, 3, activation="relu"),
                 layers.Conv2D(32, 3, activation="relu"), layers.MaxPooling2D(2), layers.Flatten(),
                 layers.Dense(10)]
-    tokens = tf_keras.Input((bench.SEQUENCE,), dtype="int32")
-    positions = layers.Lambda(lambda t: tf.zeros_like(t) + tf.range(bench.SEQUENCE)[None, :])(tokens)
-    h = layers.Embedding(bench.VOCAB, bench.WIDTH)(tokens)
-    h = h + layers.Embedding(bench.SEQUENCE, bench.WIDTH)(positions)
-    attended = layers.MultiHeadAttention(bench.HEADS, bench.KEY_DIM)(h, h)
+    tokens = tf_keras.Input((models.SEQUENCE,), dtype="int32")
+    positions = layers.Lambda(lambda t: tf.zeros_like(t) + tf.range(models.SEQUENCE)[None, :])(tokens)
+    h = layers.Embedding(models.VOCAB, models.WIDTH)(tokens)
+    h = h + layers.Embedding(models.SEQUENCE, models.WIDTH)(positions)
+    attended = layers.MultiHeadAttention(models.HEADS, models.KEY_DIM)(h, h)
     h = layers.LayerNormalization(epsilon=1e-3)(h + attended)
-    f = layers.Dense(bench.FFN, activation="relu")(h)
-    f = layers.Dense(bench.WIDTH)(f)
+    f = layers.Dense(models.FFN, activation="relu")(h)
+    f = layers.Dense(models.WIDTH)(f)
     h = layers.LayerNormalization(epsilon=1e-3)(h + f)
     h = layers.GlobalAveragePooling1D()(h)
-    return tokens, layers.Dense(bench.CLASSES)(h)
+    return tokens, layers.Dense(models.CLASSES)(h)
 
 
-def tf_keras_model(kind: str, bench, noise_multiplier: float | None, learning_rate: float):
-    """The tf_keras twin of ``bench.build_model(kind)`` with its weights; a TF Privacy
+def tf_keras_model(kind: str, noise_multiplier: float | None, learning_rate: float):
+    """The tf_keras twin of ``models.build_model(kind)`` with its weights; a TF Privacy
     ``DPSequential`` / ``DPModel`` unless ``noise_multiplier`` is None (the plain model)."""
     import tf_keras
     from tensorflow_privacy.privacy.keras_models import dp_keras_model
 
-    built = tf_keras_layers(kind, bench)
+    built = tf_keras_layers(kind)
     private = {} if noise_multiplier is None else dict(
-        l2_norm_clip=bench.CLIP_NORM, noise_multiplier=noise_multiplier, layer_registry=tf_privacy_registry())
+        l2_norm_clip=models.CLIP_NORM, noise_multiplier=noise_multiplier,
+        layer_registry=tf_privacy_registry())
     if isinstance(built, list):
         model = (dp_keras_model.DPSequential(layers=built, **private) if private
                  else tf_keras.Sequential(built))
@@ -182,7 +176,7 @@ def tf_keras_model(kind: str, bench, noise_multiplier: float | None, learning_ra
         inputs, outputs = built
         model = (dp_keras_model.DPModel(inputs=inputs, outputs=outputs, **private) if private
                  else tf_keras.Model(inputs, outputs))
-    source = [np.asarray(w) for w in bench.build_model(kind).get_weights()]
+    source = [np.asarray(w) for w in models.build_model(kind).get_weights()]
     shapes = [tuple(w.shape) for w in model.get_weights()]
     if shapes != [w.shape for w in source]:
         raise RuntimeError(f"tf_keras twin of {kind}: weights {shapes} differ from Keras 3's")
@@ -192,9 +186,9 @@ def tf_keras_model(kind: str, bench, noise_multiplier: float | None, learning_ra
     return model
 
 
-class TFKerasStepper:
+class TFKerasStepper(Steps):
     """Runs a tf_keras model's train function as Keras 2's ``fit()`` does (a ``tf.data``
-    iterator over the one batch). Same interface as ``bench.Stepper``."""
+    iterator over the one batch)."""
 
     def __init__(self, model, x, y):
         import tensorflow as tf
@@ -206,18 +200,12 @@ class TFKerasStepper:
         self.run(1)  # traces (and XLA-compiles TF Privacy's step)
         self.first_step_s = time.perf_counter() - start
 
-    def run(self, steps: int) -> tuple[float, int]:
+    def steps(self, count: int) -> None:
         import tensorflow as tf
 
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        start = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(count):
             logs = self.function(self.iterator)
         [t.numpy() for t in tf.nest.flatten(logs)]
-        return time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-
-    def close(self):
-        pass
 
 
 def tf_privacy_uses_fast_clipping(model) -> bool:
@@ -228,19 +216,18 @@ def tf_privacy_uses_fast_clipping(model) -> bool:
 # jax-privacy (Keras 3 on JAX)
 
 
-def jax_privacy_model(kind: str, batch_size: int, bench, noise_multiplier: float, learning_rate: float,
+def jax_privacy_model(kind: str, batch_size: int, noise_multiplier: float, learning_rate: float,
                       microbatch_size: int | None = None):
-    """``bench.build_model(kind)`` made private by jax-privacy's ``keras_api.make_private``."""
-    import keras
+    """``models.build_model(kind)`` made private by jax-privacy's ``keras_api.make_private``."""
     from jax_privacy import keras_api
 
-    model = bench.build_model(kind)
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss=bench.new_loss())
+    model = models.build_model(kind)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss=models.new_loss())
     params = keras_api.DPKerasConfig(
-        epsilon=1e6, delta=1e-5, clipping_norm=bench.CLIP_NORM, batch_size=batch_size,
+        epsilon=1e6, delta=1e-5, clipping_norm=models.CLIP_NORM, batch_size=batch_size,
         gradient_accumulation_steps=1, train_steps=100, train_size=100 * batch_size,
         noise_multiplier=max(noise_multiplier, 1.0), rescale_to_unit_norm=False,
-        microbatch_size=microbatch_size, seed=bench.SEED,
+        microbatch_size=microbatch_size, seed=models.SEED,
     )
     if noise_multiplier == 0:  # refused by the config's validation: the noise's std is then 0
         object.__setattr__(params, "noise_multiplier", 0.0)
@@ -251,21 +238,21 @@ def jax_privacy_model(kind: str, batch_size: int, bench, noise_multiplier: float
 # the rows
 
 
-def noise_of(aggregation: str, bench) -> float:
-    return bench.NOISE_MULTIPLIER if aggregation == "dp" else 0.0
+def noise_of(aggregation: str) -> float:
+    return models.NOISE_MULTIPLIER if aggregation == "dp" else 0.0
 
 
-def build(recipe: str, aggregation: str, kind: str, batch_size: int, bench, *, noise_multiplier=None,
+def build(recipe: str, aggregation: str, kind: str, batch_size: int, *, noise_multiplier=None,
           learning_rate=None):
     """The peer's model for a row (``noise_multiplier`` / ``learning_rate``: the row's by default)."""
-    noise = noise_of(aggregation, bench) if noise_multiplier is None else noise_multiplier
-    learning_rate = bench.LEARNING_RATE if learning_rate is None else learning_rate
+    noise = noise_of(aggregation) if noise_multiplier is None else noise_multiplier
+    learning_rate = models.LEARNING_RATE if learning_rate is None else learning_rate
     if recipe == "tf-privacy-plain":
-        return tf_keras_model(kind, bench, None, learning_rate)
+        return tf_keras_model(kind, None, learning_rate)
     if recipe == "tf-privacy":
-        return tf_keras_model(kind, bench, noise, learning_rate)
+        return tf_keras_model(kind, noise, learning_rate)
     microbatch = 1 if recipe == "jax-privacy-mb1" else None
-    return jax_privacy_model(kind, batch_size, bench, noise, learning_rate, microbatch)
+    return jax_privacy_model(kind, batch_size, noise, learning_rate, microbatch)
 
 
 def weight_change(model, x, y) -> list[np.ndarray]:
@@ -279,30 +266,29 @@ def weight_change(model, x, y) -> list[np.ndarray]:
 _REFERENCES: dict = {}
 
 
-def reference_update(kind: str, x, y, bench) -> list[np.ndarray]:
-    """pergrad ``clip(C)``'s SGD(1) update from ``bench.build_model(kind)`` on ``(x, y)``
+def reference_update(kind: str, x, y) -> list[np.ndarray]:
+    """pergrad ``clip(C)``'s SGD(1) update from ``models.build_model(kind)`` on ``(x, y)``
     (once per model kind and batch)."""
-    import keras
-
     import pergrad
 
     key = (kind, len(y))
     if key not in _REFERENCES:
-        model = pergrad.PerExampleModel(bench.build_model(kind), pergrad.aggregators.clip(bench.CLIP_NORM))
-        model.compile(optimizer=keras.optimizers.SGD(1.0), loss=bench.new_loss())
+        model = pergrad.PerExampleModel(models.build_model(kind),
+                                        pergrad.aggregators.clip(models.CLIP_NORM))
+        model.compile(optimizer=keras.optimizers.SGD(1.0), loss=models.new_loss())
         _REFERENCES[key] = weight_change(model, x, y)
     return _REFERENCES[key]
 
 
-def check(recipe: str, kind: str, key: str, x, y, bench) -> dict:
+def check(recipe: str, kind: str, key: str, x, y) -> dict:
     """One noise-free SGD(1) step of the peer against ``PerExampleModel(model, clip(C))``.
 
-    Both start from ``bench.build_model(kind)``'s weights (seeded) on the same
+    Both start from ``models.build_model(kind)``'s weights (seeded) on the same
     batch; the result (also appended to :data:`CHECKS`) gives the largest
     difference of the updates over the largest entry of pergrad's.
     """
-    expected = reference_update(kind, x, y, bench)
-    peer = build(recipe, "clip", kind, len(y), bench, noise_multiplier=0.0, learning_rate=1.0)
+    expected = reference_update(kind, x, y)
+    peer = build(recipe, "clip", kind, len(y), noise_multiplier=0.0, learning_rate=1.0)
     found = weight_change(peer, x, y)
     scale = max(float(np.max(np.abs(e))) for e in expected)
     difference = max(float(np.max(np.abs(f - e))) for f, e in zip(found, expected))
@@ -314,22 +300,22 @@ def check(recipe: str, kind: str, key: str, x, y, bench) -> dict:
     return result
 
 
-def make_stepper(recipe: str, aggregation: str, kind: str, x, y, bench, checked: bool = True):
+def make_stepper(recipe: str, aggregation: str, kind: str, x, y, checked: bool = True) -> Steps:
     """A built, compiled, once-stepped peer row; checked first (once per model and
     recipe; not the plain row, nor where ``checked`` is False: the memory children)."""
     key = f"{kind}{len(y)}"
     if checked and recipe != "tf-privacy-plain" and not any(
         c["model"] == key and c["recipe"] == recipe for c in CHECKS
     ):
-        check(recipe, kind, key, x, y, bench)
+        check(recipe, kind, key, x, y)
     found = next((c for c in CHECKS if c["model"] == key and c["recipe"] == recipe), None)
     if found is not None and not found["ok"]:
         raise RuntimeError(f"check failed: noise-free update {found['relative_difference']:.1e} "
                            f"off pergrad clip (tolerance {CHECK_TOLERANCE:g})")
-    model = build(recipe, aggregation, kind, len(y), bench)
+    model = build(recipe, aggregation, kind, len(y))
     if recipe.startswith("tf-privacy"):
         return TFKerasStepper(model, x, y)
-    return bench.Stepper(model, x, y)
+    return Stepper(model, x, y)
 
 
 def variant_names(recipe: str, selected_aggregations) -> list[str]:
@@ -368,23 +354,9 @@ def check_lines() -> list[str]:
     for c in CHECKS:
         fast = "" if "fast_clipping" not in c else (
             ", fast gradient clipping" if c["fast_clipping"] else ", per-example (vectorized_map) path")
-        lines.append(f"- {c['model']} {c['recipe']}: noise-free update vs pergrad clip({1.0:g}): largest "
-                     f"difference {c['relative_difference']:.1e} of the largest entry "
-                     f"({c['largest_entry']:.2e}){fast}: {'OK' if c['ok'] else 'FAILED'}")
+        lines.append(f"- {c['model']} {c['recipe']}: noise-free update vs pergrad "
+                     f"clip({models.CLIP_NORM:g}): largest difference {c['relative_difference']:.1e} "
+                     f"of the largest entry ({c['largest_entry']:.2e}){fast}: "
+                     f"{'OK' if c['ok'] else 'FAILED'}")
     return lines
 
-
-def goal_lines(rows, find) -> list[str]:
-    """pergrad's DP step against each peer's, in milliseconds (issue 18: pergrad faster)."""
-    out = []
-    models = list(dict.fromkeys(row["model"] for row in rows))
-    for model in models:
-        pg = find(rows, model, "pergrad dp")
-        for recipe in ("tf-privacy", "jax-privacy", "jax-privacy-mb1"):
-            peer = find(rows, model, f"{recipe} dp")
-            if pg and peer:
-                own = f" ({peer['ratio_own']:.2f}x its own plain step)" if "ratio_own" in peer else ""
-                verdict = "MET" if pg["ms"] < peer["ms"] else "NOT MET"
-                out.append(f"- {model} pergrad dp {pg['ms']:.2f} ms vs {recipe} dp {peer['ms']:.2f} ms"
-                           f"{own} (goal: pergrad faster): {verdict}")
-    return out

@@ -30,6 +30,7 @@ from keras import ops
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from pergrad.aggregators import selection  # noqa: E402
+from process import configure_threads  # noqa: E402
 
 BACKEND = keras.backend.backend()
 
@@ -78,16 +79,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="0: the backend's default")
     args = parser.parse_args()
-    if args.threads:
-        if BACKEND == "torch":
-            import torch
-
-            torch.set_num_threads(args.threads)
-        elif BACKEND == "tensorflow":
-            import tensorflow as tf
-
-            tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-            tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    configure_threads(args.threads)
     strategies = [s for s in args.strategies.split(",") if s != "ops.median" or args.rule == "median"]
     shapes = [(int(b), int(n)) for b in args.batches.split(",") for n in args.sizes.split(",")]
     rng = np.random.default_rng(0)

@@ -1,7 +1,7 @@
 """The benchmarks' own measurement code, where a wrong count would print a wrong table.
 
 ``benchmarks/replicas.py`` reads the bytes a step's collectives move from the
-compiled HLO text (docs/architecture.md, 'Communication per step'); here it
+compiled HLO text (the docs' 'Communication per step'); here it
 counts collectives of known size on two forced XLA CPU devices, in a fresh
 process (the device count is fixed before JAX is imported), once, in the JAX
 session. On TensorFlow it records the sizes of the tensors the collectives
@@ -109,12 +109,16 @@ def test_tf_byte_counter_counts_known_collectives():
 
 _PEER_CHECKS = """
 import json, sys
-import bench, peers  # bench sets up TF Privacy's tf_keras before the backend is imported
+import process
+
+# as bench.py does: one thread, oneDNN off for the transformer, TF Privacy's tf_keras
+process.before_backend_import(threads=1, models=["tfm4"])
+import models, peers
 
 results = []
 for row in sys.argv[1:]:
     recipe, kind = row.split(":")
-    results.append(peers.check(recipe, kind, f"{kind}4", *bench.make_data(kind, 4), bench))
+    results.append(peers.check(recipe, kind, f"{kind}4", *models.make_data(kind, 4)))
 print(json.dumps(results))
 """
 

@@ -1,0 +1,154 @@
+"""The benchmarks' models, data, loss, optimizer and rule parameters, alike for every variant.
+
+Random data, fixed seed, sparse categorical cross-entropy from logits,
+SGD(0.01); ``mlp<B>`` / ``cnn<B>`` / ``tfm<B>`` / ``gpt<B>`` / ``lora<B>`` at
+any batch size B:
+
+- ``mlp<B>``: MLP 784-256-256-10;
+- ``cnn<B>``: 28x28x1 -> Conv 3x3x16 relu -> Conv 3x3x32 relu -> MaxPool 2 ->
+  Flatten -> Dense 10;
+- ``tfm<B>``: a one-block transformer classifier on token ids (B, 64) from a
+  vocabulary of 1000: Embedding(1000, 64) + a learned position Embedding(64, 64)
+  -> MultiHeadAttention(2 heads, key_dim 32) + residual -> LayerNormalization ->
+  Dense(128, relu) -> Dense(64) + residual -> LayerNormalization ->
+  GlobalAveragePooling1D -> Dense(10);
+- ``gpt<B>``: a GPT-2-style language model, keras-hub's ``GPT2CausalLM``
+  (``GPT2Backbone``, no preprocessor) from constructor arguments: vocabulary
+  8192, T = 128, hidden 64, 2 layers of 2 heads, MLP 256, no dropout; the LM
+  head is the token embedding, tied (``ReversibleEmbedding``); per-token loss on
+  random tokens (next-token prediction);
+- ``lora<B>``: the same model after ``backbone.enable_lora(4)`` (only the LoRA
+  factors of the query and value projections are trained).
+
+The language models need keras-hub (a dev requirement).
+"""
+
+from __future__ import annotations
+
+import re
+
+import keras
+import numpy as np
+from keras import ops
+
+SEED = 0
+LEARNING_RATE = 0.01
+# the transformer classifier
+VOCAB, SEQUENCE, WIDTH, HEADS, KEY_DIM, FFN, CLASSES = 1000, 64, 64, 2, 32, 128, 10
+# the GPT-2-style language model (keras-hub) and its LoRA variant
+LM_KINDS = ("gpt", "lora")
+LM_VOCAB, LM_SEQUENCE, LM_WIDTH, LM_LAYERS, LM_HEADS, LM_FFN, LORA_RANK = 8192, 128, 64, 2, 2, 256, 4
+
+# the rules' parameters, the same in every variant of a rule (pergrad's, the recipes', the peers')
+CLIP_NORM = 1.0
+NOISE_MULTIPLIER = 1.0
+KRUM_BYZANTINE = 0.1
+TRIM = 0.1  # trimmed_mean(TRIM), meamed(TRIM)
+BUCKET_SIZE = 8  # bucketing(BUCKET_SIZE, median())
+
+
+def parse_model(key: str) -> tuple[str, int]:
+    """``"mlp64"`` -> ``("mlp", 64)``: the architecture and the batch size."""
+    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora)(\d+)", key)
+    if not match:
+        raise ValueError(
+            f"unknown model {key!r}: use mlp<batch>, cnn<batch>, tfm<batch>, gpt<batch> or "
+            "lora<batch>, e.g. mlp64, tfm64, gpt8"
+        )
+    return match.group(1), int(match.group(2))
+
+
+def build_model(kind: str) -> keras.Model:
+    keras.utils.set_random_seed(SEED)  # every variant starts from the same weights
+    if kind == "tfm":
+        return build_transformer()
+    if kind in LM_KINDS:
+        return build_language_model(lora=kind == "lora")
+    if kind == "mlp":
+        layers = [
+            keras.Input((784,)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    else:
+        layers = [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10),
+        ]
+    return keras.Sequential(layers, name=kind)
+
+
+def build_transformer() -> keras.Model:
+    """A one-block transformer classifier on token ids (B, 64), post-LayerNorm.
+
+    The learned position embedding is an ``Embedding(64, 64)`` of the position
+    ids, built inside the graph from the token ids' shape (no custom layer).
+    """
+    tokens = keras.Input((SEQUENCE,), dtype="int32")
+    positions = ops.zeros_like(tokens) + ops.arange(SEQUENCE, dtype="int32")[None, :]
+    h = keras.layers.Embedding(VOCAB, WIDTH, name="tokens")(tokens)
+    h = h + keras.layers.Embedding(SEQUENCE, WIDTH, name="positions")(positions)
+    attended = keras.layers.MultiHeadAttention(HEADS, KEY_DIM, name="attention")(h, h)
+    h = keras.layers.LayerNormalization(name="norm1")(h + attended)
+    f = keras.layers.Dense(FFN, activation="relu", name="ffn1")(h)
+    f = keras.layers.Dense(WIDTH, name="ffn2")(f)
+    h = keras.layers.LayerNormalization(name="norm2")(h + f)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    logits = keras.layers.Dense(CLASSES, name="logits")(h)
+    return keras.Model(tokens, logits, name="tfm")
+
+
+def build_language_model(lora: bool) -> keras.Model:
+    """keras-hub's GPT-2 causal LM (its head the tied token embedding), from constructor
+    arguments; with ``lora``, ``backbone.enable_lora(LORA_RANK)``."""
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=LM_VOCAB, num_layers=LM_LAYERS, num_heads=LM_HEADS, hidden_dim=LM_WIDTH,
+        intermediate_dim=LM_FFN, max_sequence_length=LM_SEQUENCE, dropout=0.0,
+    )
+    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None,
+                                          name="lora" if lora else "gpt")
+    if lora:
+        backbone.enable_lora(LORA_RANK)
+    return model
+
+
+def make_data(kind: str, batch_size: int):
+    rng = np.random.default_rng(SEED)
+    if kind in LM_KINDS:  # next-token prediction on random tokens
+        tokens = rng.integers(0, LM_VOCAB, size=(batch_size, LM_SEQUENCE + 1)).astype("int32")
+        x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((batch_size, LM_SEQUENCE), "int32")}
+        return keras.tree.map_structure(ops.convert_to_tensor, x), ops.convert_to_tensor(tokens[:, 1:])
+    if kind == "tfm":
+        x = rng.integers(0, VOCAB, size=(batch_size, SEQUENCE)).astype("int32")
+    else:
+        shape = (batch_size, 784) if kind == "mlp" else (batch_size, 28, 28, 1)
+        x = rng.normal(size=shape).astype("float32")
+    y = rng.integers(0, 10, size=(batch_size,)).astype("int32")
+    return ops.convert_to_tensor(x), ops.convert_to_tensor(y)
+
+
+def model_sizes(key: str) -> dict:
+    """The batch size, parameter count and largest trainable variable (elements) of ``key``."""
+    kind, batch_size = parse_model(key)
+    sizes = [int(np.prod(v.shape)) for v in build_model(kind).trainable_variables]
+    return dict(batch=batch_size, parameters=sum(sizes), largest_variable=max(sizes))
+
+
+def example_losses(y, logits):
+    """The unreduced per-example loss vector, shape (B,)."""
+    return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+
+
+def new_loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def new_optimizer():
+    return keras.optimizers.SGD(LEARNING_RATE)
