@@ -6,7 +6,7 @@ builds an MLP 784-256-256-10, trains it for two steps on random data with
 ``ru_maxrss``: the process's whole peak, framework included). Variants run one
 after another, never in parallel.
 
-    PYTHONPATH=src python benchmarks/memory.py                  # the README's table
+    PYTHONPATH=src python benchmarks/memory.py                  # every backend, the default sizes
     PYTHONPATH=src python benchmarks/memory.py --batch 256 --backends torch
 """
 

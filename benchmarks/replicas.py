@@ -1,13 +1,12 @@
 #!/usr/bin/env python
-"""Communication per step on several logical CPU devices, measured (issue 11).
+"""Communication per step on several logical CPU devices, measured.
 
 For one backend (``KERAS_BACKEND``) and each R in ``--replicas``, a fresh
 process with R logical CPU devices trains ``PerExampleModel`` on an MLP 5-32-3
 (P = 291 parameters) with a global batch of B = 32, under the engine Keras
 distributes with, and prints one row per rule: the engine path, the collectives
 of one step (count per kind), the bytes they move per step per device, the
-formula of docs/architecture.md ('Multi-device training', 'Communication per
-step') and the median step time::
+documented formula (docs/, 'Communication per step') and the median step time::
 
     python benchmarks/bench.py --replicas 2,4    # JAX and TensorFlow (the docs' table)
     python benchmarks/replicas.py --replicas 2,4 # the same
@@ -89,7 +88,7 @@ DTYPE_BYTES = {
 
 
 # --------------------------------------------------------------------------------------
-# formulas (docs/architecture.md)
+# formulas (docs/, 'Communication per step')
 
 
 def formula(rule: str, replicas: int, backend: str) -> tuple[str, int]:
@@ -99,7 +98,7 @@ def formula(rule: str, replicas: int, backend: str) -> tuple[str, int]:
     scalars (the loss, flags), ``O(B)`` vectors and integer indices and, on
     TensorFlow, the shapes each all-gather exchanges first (``R x rank``
     int32). TensorFlow: what each of the three ways of ``pergrad.replicas``
-    gathers (docs/architecture.md). JAX: what XLA's partitioner inserts.
+    gathers (docs/). JAX: what XLA's partitioner inserts.
     """
     p = sum(i * o + o for i, o in LAYERS)
     b, r, t = BATCH, replicas, GEOMED_ITERATIONS

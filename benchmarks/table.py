@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""The README's benchmark tables from ``bench.py --json`` outputs.
+"""The benchmark tables (``benchmarks/README.md``) from ``bench.py --json`` outputs.
 
 One ``bench.py`` run per backend (and suite) writes its rows with ``--json``;
-this script reads any number of such files and prints the markdown tables of
-the README's 'Benchmark' section: the speed table (the statistics rules, ratios
-to the plain step), the peak-memory table, the coordinate-rules table (issue 10),
-the coordinate rules' memory table against issue 10's bound, the DP peers'
-table (milliseconds of pergrad's clip and DP steps beside TF Privacy's,
-jax-privacy's and Opacus's, ``benchmarks/peers.py``) and the language
-models' table (``--suite lm``: speed and memory)::
+this script reads any number of such files and prints the markdown tables:
+the speed table (the statistics rules, ratios to the plain step), the
+peak-memory table, the coordinate-rules table, the median's memory beside
+plain's peak + 2 x B x the largest variable's floats, the DP peers' table
+(milliseconds of pergrad's clip and DP steps beside TF Privacy's, jax-privacy's
+and Opacus's, ``benchmarks/peers.py``) and the language models' table (``--suite
+lm``: speed and memory)::
 
     KERAS_BACKEND=tensorflow .venv/bin/python benchmarks/bench.py --json tf.json
     KERAS_BACKEND=tensorflow .venv/bin/python benchmarks/bench.py --suite coordinate \\
@@ -54,7 +54,7 @@ MEMORY_COLUMNS = (
     ("dp_gaussian", "pergrad dp"),
     ("materialized clip", "pergrad-mat clip"),
 )
-#: (column title, variant) of the coordinate-rules table (issue 10): ratios to the plain step
+#: (column title, variant) of the coordinate-rules table: ratios to the plain step
 COORDINATE_COLUMNS = (
     ("jacobian median", "jacobian median"),
     ("materialized median", "pergrad-mat median"),
@@ -86,7 +86,7 @@ LM_COLUMNS = (
     ("peak: dp_gaussian", "pergrad dp", "peak_ratio"),
 )
 LM_KINDS = ("gpt", "lora")
-#: issue 10: the peak of ``median`` <= plain's peak + this many x B x the largest variable floats
+#: the median's memory beside plain's peak + this many x B x the largest variable's floats
 MEDIAN_MEMORY_COPIES = 2
 
 
@@ -107,7 +107,7 @@ def load(paths):
 
 
 def model_order(key):
-    """Backends in the README's order, then MLPs, CNNs, transformers by batch size."""
+    """Backends in the tables' order, then MLPs, CNNs, transformers by batch size."""
     backend, model = key
     match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora)(\d+)", model)
     kind, batch = (match.group(1), int(match.group(2))) if match else (model, 0)
@@ -255,7 +255,7 @@ def lm_table(models):
 
 
 def coordinate_memory_table(models):
-    """Issue 10's memory goal: the peak of median against plain + 2 x B x largest variable floats."""
+    """The peak of median beside plain's peak + 2 x B x the largest variable's floats."""
     header = ["backend", "model", "plain", "materialized median", "median",
               f"bound: plain + {MEDIAN_MEMORY_COPIES} x B x largest variable", "median within"]
     lines, seen = [], set()
