@@ -46,13 +46,18 @@ class PerExampleModel(_TrainStep, keras.Model):
         aggregator: an aggregator, its name (``"mean"``, ``"median"``, ...) or a
             function ``list[(B, ...)] -> list[(...)]``.
         microbatch_size: work through the batch in chunks of this many
-            examples; results are the same. For ``mean``, ``sum`` and
-            statistics rules the aggregate is accumulated chunk by chunk
-            (``pergrad.engine.chunked``), which bounds peak memory; built-in
-            coordinate rules get each Dense kernel in blocks of about that many
-            examples' worth (``pergrad.engine.streaming``); arbitrary rules still
-            receive all B per-example gradients.
-        path: the engine path (docs/architecture.md, 'Engine paths').
+            examples; results are the same up to float rounding (docs/memory.md).
+            ``mean``, ``sum`` and statistics rules then take the chunked path
+            (``pergrad.engine.chunked``): at most one chunk's per-example
+            gradients exist at once, which bounds the peak memory of a model the
+            statistics path cannot take. On a model it can take, the default
+            statistics path holds no per-example gradient at all, so setting
+            ``microbatch_size`` raises the peak (and, for rules that read
+            norms, doubles the backward compute). Built-in coordinate rules get
+            each Dense kernel in blocks of about that many examples' worth
+            (``pergrad.engine.streaming``); arbitrary rules still receive all B
+            per-example gradients (only the backward pass is chunked).
+        path: the engine path (docs/engine-paths.md).
             ``"auto"`` (default): statistics rules (mean, sum, clipping, DP-SGD,
             Krum, geometric median, norm filter, chains of them) take the
             statistics path (``pergrad.engine.statistics``: no ``B x P``
