@@ -152,6 +152,7 @@ def run_engine(wrapper, plan: ReplicaPlan, trainable_values, non_trainable_value
     problem = wrapper._problem()
     aggregator = wrapper.aggregator
     path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
+    aggregator.pop_batch_term()  # none left over from a traced step that raised
     inputs = (problem, aggregator, trainable_values, non_trainable_values, x, y, sample_weight)
     if path == STATISTICS_PATH:
         try:
