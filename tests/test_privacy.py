@@ -188,21 +188,17 @@ def test_poisson_batches_are_padded_to_a_few_bucket_sizes_near_the_drawn_size():
         PoissonSampler(np.zeros((size, 1)), np.zeros(size), sampling_rate=0.1, bucket_width=0)
 
 
-def test_bucket_sizes_divide_over_the_devices_and_rules_that_count_padding_get_one_shape(monkeypatch):
-    from pergrad.privacy import sampling
-
+def test_bucket_sizes_divide_over_the_devices_and_rules_that_count_padding_get_one_shape():
     x = np.zeros((200, 1), "float32")
     sampler = PoissonSampler(x, np.zeros(200), sampling_rate=0.1, max_batch_size=41, bucket_width=8)
     dp = pergrad.PerExampleModel(small_model(), dp_gaussian(1.0, 1.0, expected_batch_size=20.0))
-    monkeypatch.setattr(sampling, "batch_shards", lambda model: 3)
-    with sampler.split_for(dp):  # widths of 9 (8 rounded up to 3 devices), at most 42 rows
+    with sampler.split_for(dp, 3):  # widths of 9 (8 rounded up to 3 devices), at most 42 rows
         assert sampler.padded_sizes == [9, 18, 27, 36, 42]
         assert sampler.padded_size(0) == 9 and sampler.padded_size(19) == 27
     with pytest.raises(ValueError, match="max_batch_size=42"):
-        with sampler.split_for(pergrad.PerExampleModel(small_model(), "mean")):
+        with sampler.split_for(pergrad.PerExampleModel(small_model(), "mean"), 3):
             pass
-    monkeypatch.setattr(sampling, "batch_shards", lambda model: 1)
-    with sampler.split_for(pergrad.PerExampleModel(small_model(), "mean")):
+    with sampler.split_for(pergrad.PerExampleModel(small_model(), "mean"), 1):
         assert sampler.padded_sizes == [41]  # mean divides by the rows: always max_batch_size
     assert sampler.padded_sizes == [8, 16, 24, 32, 40, 41]  # outside a fit
 

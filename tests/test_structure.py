@@ -190,3 +190,15 @@ def test_the_engine_and_the_replicas_ask_rules_instead_of_importing_them():
     }
     assert concrete == {name: [] for name in asking}
     assert graph["pergrad.replicas"] <= {"pergrad.backend"}  # the collectives, under the step
+
+
+def test_rules_leave_every_collective_to_the_distributed_layer():
+    """``aggregators/`` and ``privacy/`` return local quantities (sums, counts, a noise
+    term): the engine, the step and the replicas module (every collective) are above them."""
+    graph = import_graph()
+    above = ("pergrad.engine", "pergrad.step", "pergrad.replicas", "pergrad.model", "pergrad.trainers")
+    rules = [name for name in graph if name.startswith(("pergrad.aggregators", "pergrad.privacy"))]
+    assert rules
+    assert {name: sorted(m for m in graph[name] if m.startswith(above)) for name in rules} == {
+        name: [] for name in rules
+    }

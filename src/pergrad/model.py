@@ -298,6 +298,10 @@ class PerExampleModel(_TrainStep, keras.Model):
         from pergrad.privacy.sampling import PoissonSampler
 
         callbacks = args[3] if len(args) > 3 else kwargs.get("callbacks")
+        if replicas.count(self) > 1:
+            from pergrad.privacy.callbacks import check_budget_on_replicas
+
+            check_budget_on_replicas(self, callbacks)
         if getattr(self.aggregator, "differentially_private", False):
             from pergrad.privacy.callbacks import check_dp_fit
 
@@ -311,6 +315,6 @@ class PerExampleModel(_TrainStep, keras.Model):
             else:
                 kwargs["callbacks"] = x.with_step_callback(callbacks)
             # On several devices: its one Poisson sample split over them, padded to divide.
-            with x.split_for(self):
+            with x.split_for(self, replicas.batch_shards(self)):
                 return super().fit(x, y, *args, **kwargs)
         return super().fit(x, y, *args, **kwargs)

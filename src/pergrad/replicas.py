@@ -9,10 +9,15 @@ aggregate their shard, scaled by its share of the batch (:func:`local_fraction`)
 unless they sum; the others see the whole batch through all-gathers
 (:func:`gather`: norms, each layer's ``A`` and ``D``, or per-example gradients)
 and take their own rows (:func:`local_rows`), their own coordinates
-(:func:`owns`) or, on replica 0, the whole result (:func:`first_replica`). DP
-noise and the weight regularizer's gradient are added on replica 0 only, and
-diagnostics come from the whole batch. ``keras.ops``, ``keras.distribution``
-and the backend adapter only.
+(:func:`owns`) or, on replica 0, the whole result (:func:`first_replica`); a
+rule of groups exchanges only the groups' results (:func:`combine_groups`).
+
+The one place of every collective: rules return local quantities. The step adds
+a rule's batch term (DP noise) and the weight regularizer's gradient on replica
+0 only, and sums a rule's diagnostics reported as sums and counts over the
+replicas (:func:`global_sum`), so that they describe the whole batch.
+``keras.ops``, ``keras.distribution`` and the backend adapter only; a rule is
+asked through its methods, never imported.
 """
 
 from __future__ import annotations
@@ -63,19 +68,22 @@ def global_sum(value):
     return value if count() <= 1 else adapter().all_reduce_sum(value)
 
 
-def global_mean(values):
-    """The mean of ``values`` over every replica's shard (its own mean on one replica)."""
-    if count() <= 1:
-        return ops.mean(values)
-    values = ops.cast(values, "float32")
-    total = global_sum(ops.stack([ops.sum(values), ops.cast(ops.size(values), "float32")]))
-    return total[0] / total[1]
-
-
 def gather(value):
     """Every replica's ``value`` concatenated along axis 0, in replica order (the order
     of the examples in the global batch); ``value`` itself on one replica."""
     return value if count() <= 1 else adapter().all_gather(value)
+
+
+def combine_groups(rule, gradients):
+    """The result of ``rule`` (``rule.group_count()`` equal to :func:`count`: one group per
+    replica, ``two_level``) from this replica's shard's per-example gradients: the rule's
+    ``aggregate_group`` on the shard, the groups' results and sizes all-gathered (one
+    row per replica, in replica order: the groups' order), the rule's ``combine_groups``
+    on them. Every replica returns the same value."""
+    size = ops.shape(gradients[0])[0]
+    rows = [gather(ops.expand_dims(r, 0)) for r in rule.aggregate_group(gradients)]
+    sizes = gather(ops.reshape(ops.convert_to_tensor(size, "int32"), (1,)))
+    return rule.combine_groups(rows, sizes)
 
 
 def global_size(local_size):
@@ -124,6 +132,16 @@ def batch_devices() -> int:
     names = () if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
     mesh = layout.device_mesh
     return math.prod(int(mesh.shape[list(mesh.axis_names).index(name)]) for name in names)
+
+
+def batch_shards(model=None) -> int:
+    """How many parts ``fit()`` splits each batch into, each for one device or replica.
+
+    The replicas of a ``tf.distribute`` strategy (:func:`count`) times the devices the
+    current ``keras.distribution`` shards the batch axis over (:func:`batch_devices`).
+    Keras needs every batch to divide evenly over them.
+    """
+    return count(model) * batch_devices()
 
 
 def data_parallel():

@@ -1,13 +1,21 @@
 """The per-example training step, written once for every backend (``keras.ops`` only).
 
 ``aggregated_gradients`` turns one batch into the gradients the optimizer
-applies: it picks the engine path (statistics, chunked or materialized), runs
-the aggregator, adds the regularizers' gradients and applies the non-finite
-rule and the loss scale. The backend-specific ``train_step`` glue that calls it
-lives in ``pergrad.trainers``.
+applies, as a short pipeline of named stages: :func:`replica_plan` (what this
+replica's part is when several each run the step), :func:`run_engine` (the
+engine path: statistics, chunked or materialized), :func:`check_output_mask`
+(refusals that need the traced forward pass), :func:`apply_rule` (the rule on
+materialized per-example gradients, as the plan says), :func:`combine_replicas`
+(the rule's batch term and diagnostics, once over the replicas) and
+:func:`post_process` (the non-finite rule, the replica's share, the regularizer,
+the loss scale). Every collective is ``pergrad.replicas``'s; the rules return
+local quantities. The backend-specific ``train_step`` glue that calls it lives
+in ``pergrad.trainers``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import keras
 from keras import ops, tree
@@ -20,7 +28,6 @@ from pergrad.aggregators.base import (
     check_result,
     zero_non_finite_examples,
 )
-from pergrad.aggregators.compose import TwoLevel
 from pergrad.engine import chunked, statistics, streaming
 
 #: The paths ``engine_path`` chooses between.
@@ -103,6 +110,159 @@ def log_materialized(wrapper, reason: str) -> None:
         )
 
 
+class ReplicaPlan(NamedTuple):
+    """What this replica's step computes (``pergrad.replicas``); on one device, the whole."""
+
+    #: Whether several replicas each run the step on their shard of the batch.
+    several: bool
+    #: Whether the rule runs on the whole batch, gathered (its ``distribution`` needs it).
+    gathered: bool
+    #: ``B_r / B``, this replica's share of a mean (``LOCAL_MEAN`` rules), else ``None``.
+    share: object
+    #: The optimizer's loss scale (``None`` without a ``LossScaleOptimizer``).
+    loss_scale: object
+    #: The scale the backward pass uses: ``B_r / B`` of the loss scale, so that its float16
+    #: values are those of one device (a replica's mean loss divides by ``B_r``).
+    engine_scale: object
+
+
+def replica_plan(wrapper, x) -> ReplicaPlan:
+    """The plan of ``wrapper``'s step on batch ``x``, as its rule's ``distribution`` says:
+    on several replicas each aggregates its shard, scaled by its share of the batch
+    unless the rule sums, or the rule runs on the whole batch, gathered."""
+    aggregator = wrapper.aggregator
+    scale = loss_scale(wrapper.optimizer, wrapper.model.trainable_variables)
+    several = replicas.count(wrapper) > 1
+    gathered = several and aggregator.distribution == WHOLE_BATCH
+    divides = several and aggregator.distribution == LOCAL_MEAN
+    share, engine_scale = None, scale
+    if divides or (several and scale is not None):
+        fraction = replicas.local_fraction(ops.shape(tree.flatten(x)[0])[0])  # B_r / B
+        if divides:
+            share = fraction
+        if scale is not None:
+            engine_scale = scale * fraction
+    return ReplicaPlan(several, gathered, share, scale, engine_scale)
+
+
+def run_engine(wrapper, plan: ReplicaPlan, trainable_values, non_trainable_values, x, y, sample_weight):
+    """``(result, per_example, aux)``: the engine path's result (``None`` on the materialized
+    path) or the per-example gradients (``None`` on the others; a DP rule's non-finite
+    examples zeroed), and the batch's ``aux`` (``y_pred``, ``seeds``, ``mask``, ...)."""
+    problem = wrapper._problem()
+    aggregator = wrapper.aggregator
+    path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
+    aggregator.pop_batch_term()  # none left over from a traced step that raised
+    inputs = (problem, aggregator, trainable_values, non_trainable_values, x, y, sample_weight)
+    if path == STATISTICS_PATH:
+        try:
+            if chunked.supports(aggregator):
+                result, aux = statistics.aggregate(
+                    *inputs, loss_scale=plan.engine_scale, gathered=plan.gathered
+                )
+            else:
+                result, aux = streaming.aggregate(
+                    *inputs, loss_scale=plan.engine_scale, microbatch_size=wrapper.microbatch_size,
+                    gathered=plan.gathered,
+                )
+            return result, None, aux
+        except statistics.Unsupported as error:
+            if wrapper.engine_path == STATISTICS_PATH:
+                raise ValueError(
+                    f"The statistics path cannot train model {wrapper.model.name!r}: {error}. "
+                    "Use path='auto' (it then takes the materialized path) or 'materialized'."
+                ) from error
+            log_materialized(wrapper, str(error))
+            path = MATERIALIZED_PATH
+    if path == CHUNKED_PATH:
+        # Accumulated chunk by chunk: no (B, ...) per-example tensor exists. A DP
+        # rule's non-finite examples are zeroed in every chunk.
+        result, aux = chunked.aggregate(*inputs, wrapper.microbatch_size, loss_scale=plan.engine_scale)
+        return result, None, aux
+    per_example, aux = problem.compute(
+        trainable_values, non_trainable_values, x, y, sample_weight, wrapper.microbatch_size,
+        loss_scale=plan.engine_scale,
+    )
+    if aggregator.differentially_private:
+        per_example = zero_non_finite_examples(per_example)
+    return None, per_example, aux
+
+
+def check_output_mask(wrapper, aux) -> None:
+    """Refuses a masked output (``aux["mask"]``: known once the forward pass is traced,
+    before any update) for a DP rule and on several replicas."""
+    if "mask" not in aux:
+        return
+    if wrapper.aggregator.differentially_private:
+        from pergrad.privacy.dp_sgd import refuse_masked_output
+
+        refuse_masked_output()
+    if replicas.count(wrapper) > 1:
+        raise ValueError(
+            "PerExampleModel cannot train a model with a masked output on several replicas: "
+            "Keras divides a masked loss by the unmasked steps of the whole batch, which a "
+            "replica's shard does not know. Give padding steps sample weight 0 instead of a "
+            "mask, or train on one replica."
+        )
+
+
+def apply_rule(wrapper, plan: ReplicaPlan, per_example) -> list:
+    """The rule on the per-example gradients, as ``plan`` says; on several replicas the
+    whole batch's result is counted once (replica 0's), its batch term left to
+    :func:`combine_replicas`."""
+    aggregator = wrapper.aggregator
+    if plan.gathered and aggregator.group_count() == replicas.count(wrapper):
+        # One group per replica: only the R groups' results are exchanged.
+        return [replicas.first_replica(g) for g in replicas.combine_groups(aggregator, per_example)]
+    if plan.gathered:  # every replica runs the rule on the whole batch
+        per_example = [replicas.gather(g) for g in per_example]
+        return [replicas.first_replica(g) for g in aggregator(per_example, batch_term=False)]
+    return aggregator(per_example, batch_term=False)
+
+
+def combine_replicas(wrapper, plan: ReplicaPlan, result) -> list:
+    """``result`` with the rule's batch term (DP noise) added once over the replicas, and
+    its diagnostics kept for the logs, over the whole batch: a rule that aggregated its
+    shard reports sums and counts, which are summed over the replicas."""
+    aggregator = wrapper.aggregator
+    term = aggregator.pop_batch_term()
+    if term is not None:  # on replica 0 only: the replicas' sum holds it once
+        result = [g + replicas.first_replica(t) for g, t in zip(result, term)]
+    local = plan.several and not plan.gathered
+    wrapper._keep_reports(aggregator.pop_reports(replicas.global_sum) if local else aggregator.pop_reports())
+    return result
+
+
+def post_process(wrapper, plan: ReplicaPlan, result, per_example, aux, trainable_values) -> list:
+    """The checked result made NaN when an example's gradient is not finite (not for DP
+    rules), scaled to this replica's share, plus the regularizers' gradient (once over
+    the replicas) and times the loss scale."""
+    aggregator = wrapper.aggregator
+    result = check_result(result, wrapper.model.trainable_variables, aggregator.name)
+    scale = plan.loss_scale
+    if scale is not None and plan.several:
+        result = replicas.finite_everywhere(result)
+    if plan.share is not None:  # this replica's share of the single-device result
+        result = [g * ops.cast(plan.share, g.dtype) for g in result]
+    _, regularization = wrapper._problem().regularization(trainable_values)
+    if regularization is not None:
+        # Batch-level: once in the replicas' sum.
+        regularization = [replicas.first_replica(r) for r in regularization]
+        result = [g + ops.cast(r, g.dtype) for g, r in zip(result, regularization)]
+    nan = ops.convert_to_tensor(float("nan"))
+    # A weighted sum of per-example gradients is already non-finite when one
+    # of them is (0 * inf is NaN), so only other kinds need the check, which
+    # reads every per-example gradient. For a DP rule the non-finite examples
+    # were zeroed: a NaN update would reveal, without noise, that one was in
+    # the batch.
+    if aggregator.kind != STATISTICS and not aggregator.differentially_private:
+        finite = all_finite(per_example) if per_example is not None else aux["finite"]
+        result = [ops.where(finite, g, ops.cast(nan, g.dtype)) for g in result]
+    if scale is not None:  # LossScaleOptimizer expects scaled gradients
+        result = [g * ops.cast(scale, g.dtype) for g in result]
+    return result
+
+
 def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, sample_weight):
     """Returns ``(gradients, y_pred, new_seed_states)`` for one batch.
 
@@ -118,109 +278,15 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
         y: its targets.
         sample_weight: its sample weights, or ``None``.
     """
-    problem = wrapper._problem()
-    aggregator = wrapper.aggregator
-    scale = loss_scale(wrapper.optimizer, wrapper.model.trainable_variables)
-    private = getattr(aggregator, "differentially_private", False)
-    path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
-    per_example = None
-    share = None
-    engine_scale = scale
-    several = replicas.count(wrapper) > 1
-    # On several replicas (pergrad.replicas), as the rule's distribution says: each
-    # aggregates its shard, scaled by its share of the batch unless the rule sums, or
-    # the rule runs on the whole batch, gathered.
-    gathered = several and aggregator.distribution == WHOLE_BATCH
-    divides = several and aggregator.distribution == LOCAL_MEAN
-    if divides or (several and scale is not None):
-        fraction = replicas.local_fraction(ops.shape(tree.flatten(x)[0])[0])  # B_r / B
-        if divides:
-            share = fraction
-        if scale is not None:
-            # B_r / B of the scale: the backward pass's float16 values as on one
-            # device (a replica's mean loss divides by B_r), so the same steps overflow.
-            engine_scale = scale * fraction
-    if path == STATISTICS_PATH:
-        try:
-            if chunked.supports(aggregator):
-                result, aux = statistics.aggregate(
-                    problem, aggregator, trainable_values, non_trainable_values,
-                    x, y, sample_weight, loss_scale=engine_scale, gathered=gathered,
-                )
-            else:
-                result, aux = streaming.aggregate(
-                    problem, aggregator, trainable_values, non_trainable_values,
-                    x, y, sample_weight, loss_scale=engine_scale, microbatch_size=wrapper.microbatch_size,
-                    gathered=gathered,
-                )
-        except statistics.Unsupported as error:
-            if wrapper.engine_path == STATISTICS_PATH:
-                raise ValueError(
-                    f"The statistics path cannot train model {wrapper.model.name!r}: {error}. "
-                    "Use path='auto' (it then takes the materialized path) or 'materialized'."
-                ) from error
-            log_materialized(wrapper, str(error))
-            path = MATERIALIZED_PATH
-    if path == CHUNKED_PATH:
-        # Accumulated chunk by chunk: no (B, ...) per-example tensor exists. A DP
-        # rule's non-finite examples are zeroed in every chunk.
-        result, aux = chunked.aggregate(
-            problem, aggregator, trainable_values, non_trainable_values,
-            x, y, sample_weight, wrapper.microbatch_size, loss_scale=engine_scale,
-        )
-    elif path == MATERIALIZED_PATH:
-        per_example, aux = problem.compute(
-            trainable_values,
-            non_trainable_values,
-            x,
-            y,
-            sample_weight,
-            wrapper.microbatch_size,
-            loss_scale=engine_scale,
-        )
-        if private:
-            per_example = zero_non_finite_examples(per_example)
-        if gathered and isinstance(aggregator, TwoLevel) and aggregator.groups == replicas.count(wrapper):
-            # One group per replica: only the R local results are exchanged; counted once.
-            result = [replicas.first_replica(g) for g in aggregator.aggregate_over_replicas(per_example)]
-        elif gathered:  # every replica runs the rule on the whole batch; counted once
-            per_example = [replicas.gather(g) for g in per_example]
-            result = [replicas.first_replica(g) for g in aggregator(per_example)]
-        else:
-            result = aggregator(per_example)
-    if private and "mask" in aux:
-        from pergrad.privacy.dp_sgd import refuse_masked_output
-
-        refuse_masked_output()
-    if replicas.count(wrapper) > 1 and "mask" in aux:
-        raise ValueError(
-            "PerExampleModel cannot train a model with a masked output on several replicas: "
-            "Keras divides a masked loss by the unmasked steps of the whole batch, which a "
-            "replica's shard does not know. Give padding steps sample weight 0 instead of a "
-            "mask, or train on one replica."
-        )
-    result = check_result(result, wrapper.model.trainable_variables, aggregator.name)
-    if scale is not None and several:
-        result = replicas.finite_everywhere(result)
-    wrapper._keep_reports(aggregator.pop_reports())
-    if share is not None:  # this replica's share of the single-device result
-        result = [g * ops.cast(share, g.dtype) for g in result]
-    _, regularization = problem.regularization(trainable_values)
-    if regularization is not None:
-        # Batch-level: once in the replicas' sum.
-        regularization = [replicas.first_replica(r) for r in regularization]
-        result = [g + ops.cast(r, g.dtype) for g, r in zip(result, regularization)]
-    nan = ops.convert_to_tensor(float("nan"))
-    # A weighted sum of per-example gradients is already non-finite when one
-    # of them is (0 * inf is NaN), so only other kinds need the check, which
-    # reads every per-example gradient. For a DP rule the non-finite examples
-    # were zeroed above: a NaN update would reveal, without noise, that one was
-    # in the batch.
-    if aggregator.kind != STATISTICS and not private:
-        finite = all_finite(per_example) if per_example is not None else aux["finite"]
-        result = [ops.where(finite, g, ops.cast(nan, g.dtype)) for g in result]
-    if scale is not None:  # LossScaleOptimizer expects scaled gradients
-        result = [g * ops.cast(scale, g.dtype) for g in result]
+    plan = replica_plan(wrapper, x)
+    result, per_example, aux = run_engine(
+        wrapper, plan, trainable_values, non_trainable_values, x, y, sample_weight
+    )
+    check_output_mask(wrapper, aux)
+    if result is None:
+        result = apply_rule(wrapper, plan, per_example)
+    result = combine_replicas(wrapper, plan, result)
+    result = post_process(wrapper, plan, result, per_example, aux, trainable_values)
     y_pred = aux["y_pred"]
     if "mask" in aux:
         compat.set_mask(tree.flatten(y_pred)[0], aux["mask"])

@@ -135,13 +135,18 @@ class Aggregator(keras.layers.Layer):
         kwargs.setdefault("trainable", False)
         super().__init__(**kwargs)
         self._reports: dict = {}
+        self._batch_terms: dict = {}
 
-    def call(self, gradients):
+    def call(self, gradients, batch_term: bool = True):
+        """The rule's result on ``gradients``; with ``batch_term=False`` without the term
+        its :meth:`finalize` set aside for the batch to hold once (:meth:`pop_batch_term`)."""
         gradients = list(gradients)
         size = static_batch_size(gradients)
         if size is not None:
             self.check_batch_size(size)
-        return self.aggregate(gradients)
+        result = self.aggregate(gradients)
+        term = self.pop_batch_term() if batch_term else None
+        return result if term is None else [g + t for g, t in zip(result, term)]
 
     def check_batch_size(self, batch_size: int) -> None:
         """Raises a ``ValueError`` naming the rule if it is undefined for this batch size."""
@@ -236,16 +241,60 @@ class Aggregator(keras.layers.Layer):
             if key in seeds:
                 generator.state.assign(store[key])
 
-    def report(self, name: str, value) -> None:
-        """Records a diagnostic value (a scalar) of the current call."""
+    def report(self, name: str, value, count=None) -> None:
+        """Records a diagnostic of the current call: the scalar ``value``, or with ``count``
+        the mean ``value / count`` of a sum over ``count`` examples (0 for none).
+
+        A sum and a count are local quantities: where each replica aggregates its own
+        shard, the model's train step sums both over the replicas before dividing
+        (:meth:`pop_reports`), so that the diagnostic describes the whole batch.
+        """
         if name not in self.diagnostics:
             raise ValueError(f"{name!r} is not one of {type(self).__name__}.diagnostics.")
         # Per thread: tf.distribute traces each replica's step in its own thread,
         # and they take turns at every collective between a report and its pop.
-        self._reports.setdefault(threading.get_ident(), {})[name] = value
+        self._reports.setdefault(threading.get_ident(), {})[name] = (value, count)
 
-    def pop_reports(self) -> dict:
-        return self._reports.pop(threading.get_ident(), {})
+    def pop_reports(self, total=None) -> dict:
+        """The current call's diagnostics by name, forgotten here.
+
+        Args:
+            total: a function that sums a tensor over the replicas whose shards this
+                rule aggregated on its own (the train step's), applied once to all
+                the ``(sum, count)`` reports; ``None``: this call's own values.
+        """
+        reports = self._reports.pop(threading.get_ident(), {})
+        counted = [name for name, (_, count) in reports.items() if count is not None]
+        if counted and total is not None:
+            sums = total(ops.stack([ops.cast(x, "float32") for name in counted for x in reports[name]]))
+            reports.update({name: (sums[2 * k], sums[2 * k + 1]) for k, name in enumerate(counted)})
+        return {
+            name: value if count is None else value / ops.maximum(ops.cast(count, "float32"), 1.0)
+            for name, (value, count) in reports.items()
+        }
+
+    def set_batch_term(self, term: list) -> None:
+        """Sets aside ``term`` (aligned with the result) as part of the current call's result
+        that the batch holds once however its examples are split (DP noise).
+        :meth:`finalize` calls it and returns the result without the term: ``__call__``
+        adds it back; the model's train step adds it on one replica of several whose
+        results it sums."""
+        self._batch_terms[threading.get_ident()] = term
+
+    def pop_batch_term(self) -> list | None:
+        """The term :meth:`set_batch_term` set aside in the current call, or ``None``."""
+        return self._batch_terms.pop(threading.get_ident(), None)
+
+    def group_count(self) -> int | None:
+        """How many contiguous groups of the batch this rule aggregates each on its own before
+        combining the groups' results (``two_level``), or ``None`` (the default).
+
+        A rule that has a count defines ``aggregate_group(gradients)`` (one group's result)
+        and ``combine_groups(rows, sizes)`` (the result from the groups' results stacked
+        in order and their example counts): with one group per replica, the train step
+        exchanges only the groups' results.
+        """
+        return None
 
     def compute_output_spec(self, gradients):
         return [keras.KerasTensor(g.shape[1:], g.dtype) for g in gradients]
@@ -533,8 +582,9 @@ class WeightedAggregator(Aggregator):
     """Rules whose result is ``sum_i w_i g_i`` with weights from statistics.
 
     Subclasses implement :meth:`example_weights` and may override
-    :meth:`finalize` (e.g. to add noise), which receives the weighted sum and
-    the same statistics, so that no state passes between the two calls. With only statistics needed, a fast
+    :meth:`finalize` (e.g. to set aside noise, :meth:`~Aggregator.set_batch_term`), which
+    receives the weighted sum and the same statistics, so that no state passes between
+    the two calls. With only statistics needed, a fast
     engine can compute the result without materializing per-example gradients:
     ``sum_i w_i g_i`` is the gradient of ``sum_i w_i L_i`` with ``w`` fixed.
     """

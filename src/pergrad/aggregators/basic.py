@@ -7,7 +7,6 @@ import math
 import keras
 from keras import ops
 
-from pergrad import replicas
 from pergrad.aggregators import selection
 from pergrad.aggregators.base import (
     LOCAL_MEAN,
@@ -150,8 +149,9 @@ class Clip(ScaledMean):
 
     def clip_factors(self, stats: ExampleStatistics):
         norms = stats.norms if self.per_layer else stats.flat_norms
-        # Over the whole batch on every replica (tf.distribute merges their logs).
-        self.report("clipped_fraction", replicas.global_mean(ops.cast(norms > self.l2_norm, "float32")))
+        # A sum and a count: on several replicas the train step sums both (the whole batch's).
+        clipped = ops.cast(norms > self.l2_norm, "float32")
+        self.report("clipped_fraction", ops.sum(clipped), count=ops.size(clipped))
         return clip_factors(norms, self.l2_norm)
 
     def example_scales(self, stats: ExampleStatistics):

@@ -20,7 +20,7 @@ import math
 import keras
 from keras import ops
 
-from pergrad import compat, replicas
+from pergrad import compat
 from pergrad.aggregators.base import (
     ARBITRARY,
     STATISTICS,
@@ -167,10 +167,10 @@ class Chain(WeightedAggregator):
             gradients = step.preprocess(gradients)
         return self.steps[-1](gradients)
 
-    def pop_reports(self):
-        reports = super().pop_reports()
+    def pop_reports(self, total=None):
+        reports = super().pop_reports(total)
         for step, renames in zip(self.steps, self._report_names):
-            for name, value in step.pop_reports().items():
+            for name, value in step.pop_reports(total).items():
                 reports[renames[name]] = value
         return reports
 
@@ -273,10 +273,10 @@ class Bucketing(Aggregator):
             )
         return self.aggregator(self.preprocess(gradients))
 
-    def pop_reports(self):
-        reports = super().pop_reports()
+    def pop_reports(self, total=None):
+        reports = super().pop_reports(total)
         if self.aggregator is not None:
-            reports.update(self.aggregator.pop_reports())
+            reports.update(self.aggregator.pop_reports(total))
         return reports
 
     def get_config(self):
@@ -456,17 +456,24 @@ class TwoLevel(Aggregator):
                 )
         return rows
 
-    def aggregate_over_replicas(self, gradients):
-        """The result on ``groups`` replicas, from this replica's shard's per-example
-        gradients: ``local`` on the shard, its result all-gathered (one row per
-        replica, in replica order: the groups' order), ``across`` on the rows of the
-        non-empty shards. Every replica returns the same value."""
+    def group_count(self) -> int:
+        return self.groups
+
+    def aggregate_group(self, gradients) -> list:
+        """``local`` on one group's per-example gradients (a replica's shard); an empty
+        group gets a stand-in row of zeros, which :meth:`combine_groups` leaves out."""
         size = ops.shape(gradients[0])[0]
-        # An empty shard's stand-in row (zeros), dropped below.
         padded = [ops.concatenate([g, ops.zeros((1,) + tuple(g.shape[1:]), g.dtype)]) for g in gradients]
-        local = self._local([_rows(g, 0, ops.maximum(size, 1)) for g in padded])
-        rows = [replicas.gather(ops.expand_dims(r, 0)) for r in local]
-        sizes = replicas.gather(ops.reshape(ops.convert_to_tensor(size, "int32"), (1,)))
+        return self._local([_rows(g, 0, ops.maximum(size, 1)) for g in padded])
+
+    def combine_groups(self, rows, sizes) -> list:
+        """``across`` on the non-empty groups' results.
+
+        Args:
+            rows: per variable, the ``groups`` results of :meth:`aggregate_group` stacked
+                in the groups' order (the examples' order in the batch).
+            sizes: ``(groups,)`` int32, each group's number of examples.
+        """
         position = ops.arange(self.groups, dtype="int32")
         nonempty = ops.greater(sizes, 0)
         order = ops.argsort(ops.where(nonempty, position, position + self.groups))
@@ -475,9 +482,9 @@ class TwoLevel(Aggregator):
         rows = [_rows(ops.take(r, order, axis=0), 0, count) for r in rows]
         return self.across(self._checked(rows, smallest, count))
 
-    def pop_reports(self):
-        reports = super().pop_reports()
-        reports.update(self.across.pop_reports())
+    def pop_reports(self, total=None):
+        reports = super().pop_reports(total)
+        reports.update(self.across.pop_reports(total))
         return reports
 
     def get_config(self):

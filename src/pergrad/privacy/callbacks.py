@@ -8,7 +8,6 @@ import warnings
 
 import keras
 
-from pergrad import replicas
 from pergrad.privacy.accounting import epsilon, make_accountant, steps_within_budget
 from pergrad.privacy.dp_sgd import UNLIMITED_STEPS, steps_taken
 from pergrad.privacy.sampling import PoissonSampler
@@ -126,14 +125,6 @@ class PrivacyAccountant(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._check_model()
-        grouped = getattr(self.model, "steps_per_execution", 1) > 1
-        if self.max_epsilon is not None and grouped and replicas.count(self.model) > 1:
-            raise ValueError(
-                "PrivacyAccountant(max_epsilon=...) cannot enforce the budget inside a group of "
-                f"steps_per_execution={self.model.steps_per_execution} steps on several replicas "
-                "(a tf.distribute train step cannot skip the optimizer's all-reduce): compile "
-                "with steps_per_execution=1."
-            )
         if self.max_epsilon is not None:
             self.max_steps = steps_within_budget(
                 self.max_epsilon, self.delta, self.noise_multiplier, self.sampling_rate, self.accountant
@@ -175,6 +166,22 @@ def _accountants(callbacks) -> list:
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     return [c for c in callbacks if isinstance(c, PrivacyAccountant)]
+
+
+def check_budget_on_replicas(model, callbacks=None) -> None:
+    """Raises if a :class:`PrivacyAccountant` with ``max_epsilon`` among ``callbacks`` would
+    have to stop ``model``, which trains on several replicas that each run the train step
+    (``PerExampleModel.fit`` asks ``pergrad.replicas``), inside a group of
+    ``steps_per_execution`` steps: a ``tf.distribute`` train step cannot skip the
+    optimizer's all-reduce."""
+    grouped = getattr(model, "steps_per_execution", 1) > 1
+    if grouped and any(accountant.max_epsilon is not None for accountant in _accountants(callbacks)):
+        raise ValueError(
+            "PrivacyAccountant(max_epsilon=...) cannot enforce the budget inside a group of "
+            f"steps_per_execution={model.steps_per_execution} steps on several replicas "
+            "(a tf.distribute train step cannot skip the optimizer's all-reduce): compile "
+            "with steps_per_execution=1."
+        )
 
 
 def check_dp_fit(model, x=None, callbacks=None) -> None:

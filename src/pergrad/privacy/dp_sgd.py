@@ -21,7 +21,6 @@ import keras
 import numpy as np
 from keras import ops
 
-from pergrad import replicas
 from pergrad.aggregators.base import LOCAL_MEAN, LOCAL_SUM, ExampleStatistics, WeightedAggregator
 from pergrad.aggregators.basic import clip_factors
 from pergrad.arguments import check_number
@@ -277,15 +276,10 @@ class DPGaussian(WeightedAggregator):
         # diagnostics so that they describe the real examples.
         if self.log_diagnostics:
             present = ops.cast(flat_norms > 0, "float32")
-            # Over the whole batch on every replica (tf.distribute merges their logs).
-            sums = replicas.global_sum(ops.stack([
-                ops.sum(present),
-                ops.sum(ops.cast(clipped, "float32") * present),
-                ops.sum(ops.where(present > 0, flat_norms, 0.0)),
-            ]))
-            count = ops.maximum(sums[0], 1.0)
-            self.report("clipped_fraction", sums[1] / count)
-            self.report("gradient_norm", sums[2] / count)
+            # Sums and counts: on several replicas the train step sums them (the whole batch's).
+            count = ops.sum(present)
+            self.report("clipped_fraction", ops.sum(ops.cast(clipped, "float32") * present), count=count)
+            self.report("gradient_norm", ops.sum(ops.where(present > 0, flat_norms, 0.0)), count=count)
         # A NaN norm gives factor 0 (an infinite one does already): that example adds nothing.
         factors = clip_factors(norms, threshold)
         return ops.where(ops.isnan(factors), 0.0, factors)
@@ -302,27 +296,29 @@ class DPGaussian(WeightedAggregator):
         return noise.gaussian_noise(self._key(), step, size, 1.0)
 
     def finalize(self, result: list, stats: ExampleStatistics) -> list:
+        """Counts the step and draws its noise, set aside as the batch's term
+        (:meth:`~pergrad.aggregators.Aggregator.set_batch_term`): calling the rule adds it;
+        on several replicas the train step adds it on replica 0 only (every replica has
+        the same key and step), so that the replicas' sum holds one noise."""
         # The step read into a tensor before the increment: the noise of the step it counts
         # (a TF or torch variable's value would otherwise follow the assignment).
         step = ops.convert_to_tensor(self.step_count.value)
-        noisy = result
         if self.noise_multiplier > 0:
             denominator = self._denominator(stats)  # the weights' denominator
-            # One draw for all variables. Drawn once globally: on replica 0 only (every
-            # replica has the same key and step), the replicas' sum then holds one noise
-            # (pergrad.replicas). The scale enters the generator: its last rounding then
-            # smooths the float32 values (docs/architecture.md, "Noise generator").
-            scale = replicas.first_replica(self.noise_stddev / ops.cast(denominator, "float32"))
+            # One draw for all variables. The scale enters the generator: its last rounding
+            # then smooths the float32 values (docs/architecture.md, "Noise generator").
+            scale = self.noise_stddev / ops.cast(denominator, "float32")
             sizes = [math.prod(g.shape) for g in result]
             values = noise.gaussian_noise(self._key(), step, sum(sizes), scale)
-            noisy, start = [], 0
+            term, start = [], 0
             for gradient, size in zip(result, sizes):
                 part = ops.reshape(values[start : start + size], gradient.shape)
-                noisy.append(gradient + ops.cast(part, gradient.dtype))
+                term.append(ops.cast(part, gradient.dtype))
                 start += size
+            self.set_batch_term(term)
         # A step past the budget's limit is not applied (update_allowed), nor counted.
         self.step_count.assign(step + ops.cast(ops.less(step, self.step_limit.value), "int32"))
-        return noisy
+        return result
 
     def get_config(self):
         return {

@@ -49,7 +49,7 @@ sample of the whole dataset split over the replicas is distributed exactly as
 independent Poisson samples of each replica's shard at the same rate ``q``, so
 the accounting at the global ``q`` holds unchanged, and every step counts once.
 During such a ``fit`` the sampler pads its batches to multiples of the
-number of parts (:func:`batch_shards`: the bucket width and ``max_batch_size``
+number of parts (``pergrad.replicas.batch_shards``: the bucket width and ``max_batch_size``
 rounded up to one), which changes nothing for rules that
 ignore padding (``dp_gaussian`` with ``expected_batch_size``, ``sum``); other
 rules divide by the padded size, so for them a ``max_batch_size`` that does not
@@ -67,7 +67,6 @@ import keras
 import numpy as np
 from keras import tree
 
-from pergrad import replicas
 from pergrad.aggregators.base import LOCAL_SUM, WHOLE_BATCH
 from pergrad.privacy.dp_sgd import steps_taken
 
@@ -108,17 +107,6 @@ def default_bucket_width(dataset_size: int, sampling_rate: float) -> int:
     """
     deviation = math.sqrt(dataset_size * sampling_rate * (1.0 - sampling_rate))
     return max(MIN_BUCKET_WIDTH, math.ceil(deviation))
-
-
-def batch_shards(model=None) -> int:
-    """How many parts ``fit()`` splits each batch into, each for one device or replica.
-
-    The replicas of a ``tf.distribute`` strategy (``pergrad.replicas.count``)
-    times the devices the current ``keras.distribution`` shards the batch axis
-    over (``DataParallel``: all of its devices; ``ModelParallel``: the batch
-    axis of its mesh). Keras needs every batch to divide evenly over them.
-    """
-    return replicas.count(model) * replicas.batch_devices()
 
 
 class PoissonSampler(keras.utils.PyDataset):
@@ -284,16 +272,16 @@ class PoissonSampler(keras.utils.PyDataset):
         return sorted({self.padded_size(drawn) for drawn in range(self.max_batch_size + 1)})
 
     @contextlib.contextmanager
-    def split_for(self, model):
+    def split_for(self, model, shards: int):
         """Pads batches for ``model``'s devices and rule during a ``fit`` (``PerExampleModel.fit``
-        uses it): to multiples of the devices, and to :attr:`batch_size` for a rule that
+        uses it): to multiples of ``shards``, the parts ``fit()`` splits each batch into
+        (``pergrad.replicas.batch_shards``), and to :attr:`batch_size` for a rule that
         counts the padding rows.
 
         Raises:
             ValueError: ``max_batch_size`` does not divide over the devices and
                 ``model``'s rule does not ignore padding.
         """
-        shards = batch_shards(model)
         aggregator = getattr(model, "aggregator", None)
         sums = getattr(aggregator, "distribution", WHOLE_BATCH) == LOCAL_SUM
         if self.max_batch_size % shards and not sums:
