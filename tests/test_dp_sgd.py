@@ -226,11 +226,19 @@ def test_a_padded_poisson_batch_trains_like_the_clipped_sum_of_its_real_examples
     assert logs["clipped_fraction"] == pytest.approx(np.mean(norms > clip), abs=1e-6)
 
 
-def test_fit_adds_fresh_noise_of_the_right_scale_at_every_step():
-    """Zero gradients: each update is pure noise, std z C / B, different at every step."""
+@pytest.mark.parametrize(
+    "path, microbatch_size, engine",
+    [("auto", None, "statistics"), ("auto", 2, "chunked"), ("materialized", None, "materialized")],
+)
+def test_fit_adds_fresh_noise_of_the_right_scale_at_every_step(path, microbatch_size, engine):
+    """Zero gradients: each update is pure noise, std z C / B, different at every step,
+    on every engine path (the rule sets its noise aside; the step adds it)."""
     inner = keras.Sequential([keras.Input((100,)), keras.layers.Dense(200, use_bias=False)])
     batch_size, clip, noise_multiplier = 4, 0.5, 1.2
-    model = pergrad.PerExampleModel(inner, dp_gaussian(clip, noise_multiplier, seed=13))
+    model = pergrad.PerExampleModel(
+        inner, dp_gaussian(clip, noise_multiplier, seed=13), path=path, microbatch_size=microbatch_size
+    )
+    assert pergrad.step.engine_path(model.aggregator, path, microbatch_size) == engine
     model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
     kernels = [np.asarray(ops.convert_to_numpy(inner.trainable_variables[0]))]
 
