@@ -22,6 +22,11 @@ def flat_rows(values):
     return ops.reshape(values, (ops.shape(values)[0], -1))
 
 
+def per_row(values, like):
+    """``(N,)`` values shaped to broadcast over the rows of ``like`` (``(N, ...)``)."""
+    return ops.reshape(values, (-1,) + (1,) * (len(like.shape) - 1))
+
+
 def row_range(values, start, size):
     """``values[start : start + size]`` along the batch axis, for tensor bounds too."""
     return ops.slice(values, (start,) + (0,) * (len(values.shape) - 1), (size,) + tuple(values.shape[1:]))
@@ -57,7 +62,7 @@ def scale_examples(gradients, scales) -> list:
     out = []
     for k, g in enumerate(gradients):
         s = scales if len(scales.shape) == 1 else scales[:, k]
-        out.append(g * ops.reshape(ops.cast(s, g.dtype), (-1,) + (1,) * (len(g.shape) - 1)))
+        out.append(g * per_row(ops.cast(s, g.dtype), g))
     return out
 
 
@@ -94,7 +99,7 @@ def zero_examples(keep, structure):
         def where(t):
             if not is_float_tensor(t):
                 return t
-            return ops.where(ops.reshape(keep, (-1,) + (1,) * (len(t.shape) - 1)), t, ops.zeros_like(t))
+            return ops.where(per_row(keep, t), t, ops.zeros_like(t))
 
         return keras.tree.map_structure(where, structure)
 

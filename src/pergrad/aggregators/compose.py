@@ -22,7 +22,6 @@ from keras import ops
 
 from pergrad import compat, replicas
 from pergrad.aggregators.base import (
-    ARBITRARY,
     COORDINATE,
     STATISTICS,
     Aggregator,
@@ -273,7 +272,6 @@ class Bucketing(RowMapStep):
         heterogeneous datasets via bucketing", ICLR.
     """
 
-    kind = ARBITRARY
     mixes_examples = True
 
     def __init__(self, size: int, aggregator=None, seed: int | None = None, **kwargs):
@@ -405,8 +403,6 @@ class TwoLevel(Aggregator):
         local: the rule within a group; an aggregator or its name.
         across: the rule across the groups' results; an aggregator or its name.
     """
-
-    kind = ARBITRARY
 
     def __init__(self, groups: int, local="median", across="median", **kwargs):
         super().__init__(**kwargs)

@@ -20,7 +20,6 @@ from keras import ops
 
 from pergrad.aggregators import selection
 from pergrad.aggregators.base import (
-    ARBITRARY,
     Aggregator,
     CoordinateAggregator,
     ExampleStatistics,
@@ -235,7 +234,6 @@ class CenteredClip(Aggregator):
         robust optimization", ICML.
     """
 
-    kind = ARBITRARY
     diagnostics = ("clipped_fraction",)
     state_per_variable = True
 

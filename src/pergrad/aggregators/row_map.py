@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from keras import ops
 
+from pergrad.aggregators.batch import per_row
 from pergrad.aggregators.statistics import ExampleStatistics
 
 
@@ -91,15 +92,10 @@ class RowMap:
         if self.order is None:
             if weights is None:
                 return gradient
-            return gradient * _row_column(ops.cast(weights[:, 0], gradient.dtype), gradient)
+            return gradient * per_row(ops.cast(weights[:, 0], gradient.dtype), gradient)
         rows = ops.take(gradient, ops.reshape(self.order, (-1,)), axis=0)
         if weights is not None:
-            rows = rows * _row_column(ops.cast(ops.reshape(weights, (-1,)), rows.dtype), rows)
+            rows = rows * per_row(ops.cast(ops.reshape(weights, (-1,)), rows.dtype), rows)
         size = ops.shape(self.order)
         return ops.sum(ops.reshape(rows, (size[0], size[1]) + tuple(gradient.shape[1:])), axis=1)
-
-
-def _row_column(values, like):
-    """``(N,)`` values shaped to multiply the rows of ``like``."""
-    return ops.reshape(values, (-1,) + (1,) * (len(like.shape) - 1))
 
