@@ -453,7 +453,7 @@ def test_bucketing_averages_a_random_partition():
         seen.append(numpy(bucket_means))
         return [ops.mean(b, axis=0) for b in bucket_means]
 
-    aggregator = agg.bucketing(size, base.FunctionAggregator(capture))
+    aggregator = agg.bucketing(size, agg.FunctionAggregator(capture))
     result = run(aggregator, gradients)
     means = seen[0]
     assert means[0].shape[0] == batch_size // size
@@ -478,7 +478,7 @@ def test_bucketing_with_a_partial_last_bucket():
         seen.append(numpy(bucket_means))
         return [b[0] for b in bucket_means]
 
-    run(agg.bucketing(3, base.FunctionAggregator(capture)), gradients)
+    run(agg.bucketing(3, agg.FunctionAggregator(capture)), gradients)
     # Buckets of 3, 3 and 1 (the last): each bucket's mean over its own members.
     means = flatten(seen[0])
     points = flatten(gradients)
@@ -617,7 +617,7 @@ KINDS = {
     "chain_clip_krum": base.STATISTICS,
     "chain_clip_per_layer_geometric_median": base.ARBITRARY,
     "chain_clip_clip_mean": base.STATISTICS,
-    "chain_automatic_filter_meamed": base.ARBITRARY,
+    "chain_automatic_filter_meamed": base.COORDINATE,  # its final rule's kind
     "bucketing_one": base.ARBITRARY,
     "two_level": base.ARBITRARY,
     "two_level_trimmed_geometric": base.ARBITRARY,

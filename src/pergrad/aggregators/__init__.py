@@ -15,11 +15,9 @@ from pergrad.aggregators.base import (
     Aggregator,
     CoordinateAggregator,
     ExampleStatistics,
-    FunctionAggregator,
+    RowMapStep,
     ScaledMean,
     WeightedAggregator,
-    get,
-    per_variable,
     scale_examples,
     weighted_sum,
 )
@@ -32,10 +30,15 @@ from pergrad.aggregators.basic import (
 )
 from pergrad.aggregators.clipping import automatic_clip
 from pergrad.aggregators.compose import (
+    Chain,
+    CoordinateChain,
+    WeightedChain,
     bucketing,
     chain,
     two_level,
 )
+from pergrad.aggregators.function import FunctionAggregator, PerVariableFunction, per_variable
+from pergrad.aggregators.registry import get
 from pergrad.aggregators.robust import (
     centered_clip,
     geometric_median,
@@ -61,12 +64,17 @@ __all__ = [
     "KINDS",
     "STATISTICS",
     "Aggregator",
-    "DPGaussian",
+    "Chain",
     "CoordinateAggregator",
+    "CoordinateChain",
+    "DPGaussian",
     "ExampleStatistics",
     "FunctionAggregator",
+    "PerVariableFunction",
+    "RowMapStep",
     "ScaledMean",
     "WeightedAggregator",
+    "WeightedChain",
     "automatic_clip",
     "bucketing",
     "centered_clip",

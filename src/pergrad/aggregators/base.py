@@ -1,17 +1,31 @@
-"""The aggregator protocol.
+"""The contract between rules and the engine: what an aggregator is and declares.
 
 An aggregator maps per-example gradients ``g_1..g_B`` (a list aligned with the
 model's trainable variables, entry k of shape ``(B,) + variable_k.shape``) to
 one gradient (a list of the variables' shapes). Any callable with that
 signature is an aggregator. The classes here add what the engine can use to
-pick a cheaper path (docs/architecture.md, 'Aggregator kinds'): the aggregator's *kind*.
+pick a cheaper path (docs/architecture.md, 'Aggregator kinds'). A rule is a
+subclass of one protocol, which fixes its *kind* and the methods it implements:
 
-- ``"statistics"`` (:class:`WeightedAggregator`): the result is
+- :class:`WeightedAggregator`, kind ``"statistics"``: the result is
   ``sum_i w_i g_i`` (plus, optionally, noise) with weights computed from
-  per-example statistics only: squared norms and, if asked, the Gram matrix.
-- ``"coordinate"`` (:class:`CoordinateAggregator`): works one variable at a
+  per-example statistics only (:class:`ExampleStatistics`: squared norms and,
+  if asked, the Gram matrix). Implements ``example_weights`` (and ``finalize``).
+- :class:`CoordinateAggregator`, kind ``"coordinate"``: works one variable at a
   time and needs all B values of each coordinate (median, trimmed mean).
-- ``"arbitrary"``: anything else; the user's own function.
+  Implements ``aggregate_variable``.
+- :class:`Aggregator` itself, kind ``"arbitrary"``: anything else (the user's
+  own function). Implements ``aggregate``.
+
+A rule that can also come before another in ``chain`` is a :class:`RowMapStep`:
+a linear map of the batch (:class:`RowMap`), from ``row_map``.
+
+Every rule declares, as class attributes, how it splits over the batch's parts
+(:attr:`Aggregator.distribution`), the smallest batch it is defined for,
+whether it is differentially private and whether it keeps per-variable state;
+the engine and the replica policy read these declarations and never a rule's
+class. This module, with the statistics and the row maps it re-exports, is all
+the engine imports of the rules.
 
 Aggregators are Keras layers so that stateful rules keep their state as Keras
 variables: tracked by the model, carried through JAX's stateless train step,
@@ -21,13 +35,65 @@ saved by ``model.save()`` and restored by ``keras.models.load_model()``.
 from __future__ import annotations
 
 import threading
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import keras
 from keras import ops
 
 from pergrad import compat
+from pergrad.aggregators.batch import (
+    batch_size_of,
+    batch_sum,
+    finite_examples,
+    is_float_tensor,
+    scale_examples,
+    static_batch_size,
+    weighted_sum,
+    zero_examples,
+    zero_non_finite_examples,
+)
+from pergrad.aggregators.row_map import RowMap
+from pergrad.aggregators.statistics import (
+    ExampleStatistics,
+    overflow_safe,
+    row_scales,
+    scaled_squared_norms_of_rows,
+    squared_norms_of_rows,
+)
+
+__all__ = [
+    "ARBITRARY",
+    "COORDINATE",
+    "DISTRIBUTIONS",
+    "KINDS",
+    "LOCAL_MEAN",
+    "LOCAL_SUM",
+    "STATISTICS",
+    "WHOLE_BATCH",
+    "Aggregator",
+    "CoordinateAggregator",
+    "ExampleStatistics",
+    "RowMap",
+    "RowMapStep",
+    "ScaledMean",
+    "WeightedAggregator",
+    "batch_size_of",
+    "batch_sum",
+    "check_result",
+    "check_structure",
+    "finite_examples",
+    "overflow_safe",
+    "protocol_form",
+    "row_scales",
+    "scale_examples",
+    "scaled_squared_norms_of_rows",
+    "serializable",
+    "squared_norms_of_rows",
+    "static_batch_size",
+    "weighted_sum",
+    "zero_examples",
+    "zero_non_finite_examples",
+]
 
 STATISTICS = "statistics"
 COORDINATE = "coordinate"
@@ -48,39 +114,10 @@ LOCAL_SUM = "local-sum"
 WHOLE_BATCH = "whole-batch"
 DISTRIBUTIONS = (LOCAL_MEAN, LOCAL_SUM, WHOLE_BATCH)
 
-_REGISTERED: dict[str, Callable[[], Aggregator]] = {}
 
-
-def register(name: str):
-    """Registers a factory under a string name (``"median"``) and for saving."""
-
-    def decorate(factory):
-        _REGISTERED[name] = factory
-        return factory
-
-    return decorate
-
-
-def _serializable(cls):
+def serializable(cls):
+    """Registers an aggregator class for saving (``pergrad>ClassName``)."""
     return keras.saving.register_keras_serializable(package="pergrad")(cls)
-
-
-def batch_size_of(gradients) -> int:
-    return ops.shape(gradients[0])[0]
-
-
-def batch_sum(values):
-    """``(B, ...) -> (...)``: the sum over the batch axis; on JAX as one matrix product.
-
-    XLA:CPU reduces over a leading axis of a fused expression ~20x slower than it
-    multiplies the transposed rows by a vector of ones (a 64 x 270k sign sum in a
-    JAX step: 366 ms vs 16 ms; ones on the left: 78 ms).
-    """
-    if keras.backend.backend() != "jax":  # TensorFlow's reduction is the faster one (2x)
-        return ops.sum(values, axis=0)
-    rows = ops.reshape(values, (ops.shape(values)[0], -1))
-    total = ops.matmul(ops.transpose(rows), ops.ones((ops.shape(values)[0],), rows.dtype))
-    return ops.reshape(total, ops.shape(values)[1:])
 
 
 def protocol_form(method):
@@ -95,21 +132,19 @@ def protocol_form(method):
     return method
 
 
-def static_batch_size(gradients) -> int | None:
-    size = gradients[0].shape[0]
-    return int(size) if size is not None else None
-
-
-@_serializable
+@serializable
 class Aggregator(keras.layers.Layer):
-    """Base class: ``aggregate(gradients) -> list`` of the variables' shapes.
+    """Base class: ``aggregate(gradients) -> list`` of the variables' shapes (kind arbitrary).
 
-    Subclasses set ``kind`` and implement :meth:`aggregate`. Rules that report
-    what they did (fraction clipped, examples rejected) name the values in
-    ``diagnostics`` and call :meth:`report` during ``aggregate``; the model
-    logs them in ``History`` and the progress bar.
+    A subclass implements :meth:`aggregate` (or derives from a protocol below that
+    implements it from its parts) and may set the class attributes below. Rules that
+    report what they did (fraction clipped, examples rejected) name the values in
+    ``diagnostics`` and call :meth:`report` during ``aggregate``; the model logs them
+    in ``History`` and the progress bar.
     """
 
+    #: Set by the protocol class (:data:`STATISTICS`, :data:`COORDINATE`,
+    #: :data:`ARBITRARY`): what the rule needs of the per-example gradients.
     kind: str = ARBITRARY
     diagnostics: tuple[str, ...] = ()
     #: The smallest batch the rule is defined for.
@@ -119,10 +154,6 @@ class Aggregator(keras.layers.Layer):
     #: Whether the rule keeps state shaped like the trainable variables it was
     #: built for (centered clipping's center): it cannot follow a freeze.
     state_per_variable: bool = False
-    #: Whether each coordinate's result depends on that coordinate's ``B`` values
-    #: only (median, trimmed mean): the streaming path may then aggregate a
-    #: variable in parts to bound memory (``microbatch_size``).
-    coordinatewise: bool = False
     #: How the result splits over parts of the batch (:data:`LOCAL_MEAN`,
     #: :data:`LOCAL_SUM` or :data:`WHOLE_BATCH`): whether each replica may aggregate its
     #: own shard (``pergrad.step``), and whether padding rows matter. A subclass
@@ -181,13 +212,13 @@ class Aggregator(keras.layers.Layer):
         apply no update (a DP rule's budget); ``None`` (the default): always allowed."""
         return None
 
-    # -- use as a pre-processing step of ``chain`` -------------------------------------
+    # -- as a step of ``chain`` (the protocol: RowMapStep) ------------------------------
 
     def preprocess(self, gradients: list) -> list:
         """Maps per-example gradients ``(B, ...)`` to ``(B', ...)`` for the next step of a chain.
 
         Only rules that have a natural per-example form (clipping, bucketing,
-        filtering) implement it.
+        filtering: :class:`RowMapStep`) implement it.
         """
         raise TypeError(
             f"{type(self).__name__} is not a pre-processing step: only its aggregate is "
@@ -197,29 +228,6 @@ class Aggregator(keras.layers.Layer):
     def can_preprocess(self) -> bool:
         """Whether this rule can be a pre-processing step (not last) of a chain."""
         return type(self).preprocess is not Aggregator.preprocess
-
-    #: Whether :meth:`row_map` reads per-example statistics (squared norms).
-    map_reads_statistics: bool = False
-    #: Whether an output row of :meth:`row_map` combines several examples (bucketing):
-    #: its statistics then do not follow from theirs.
-    mixes_examples: bool = False
-
-    def row_map(self, stats: ExampleStatistics | None, batch_size) -> RowMap:
-        """The pre-processing step as a linear map of the batch (:class:`RowMap`).
-
-        Steps whose output rows are weighted sums of input rows (clipping,
-        filtering, bucketing) implement it, and their :meth:`preprocess` is its
-        application; ``stats`` are the input rows' statistics (``None`` unless
-        :attr:`map_reads_statistics`). The streaming path uses it instead of
-        :meth:`preprocess`. Other steps raise ``NotImplementedError``.
-        """
-        raise NotImplementedError
-
-    def apply_row_map(self, gradients: list) -> list:
-        """:meth:`preprocess` of a step that has a :meth:`row_map`."""
-        stats = ExampleStatistics.from_gradients(gradients) if self.map_reads_statistics else None
-        rows = self.row_map(stats, batch_size_of(gradients))
-        return [rows.apply(g, k) for k, g in enumerate(gradients)]
 
     def output_batch_size(self, batch_size: int) -> int:
         """``B'``: how many rows :meth:`preprocess` returns for ``batch_size`` examples."""
@@ -300,284 +308,36 @@ class Aggregator(keras.layers.Layer):
         return [keras.KerasTensor(g.shape[1:], g.dtype) for g in gradients]
 
 
-class ExampleStatistics:
-    """Per-example statistics of a batch of per-example gradients.
+@serializable
+class RowMapStep(Aggregator):
+    """A pre-processing step that is a linear map of the batch (:class:`RowMap`).
 
-    A squared norm overflows float32 long before the gradient does (entries
-    above ~1e19 suffice), so the engine may keep each squared norm divided by
-    the square of a ``scale`` (the largest entry of that example's gradient of
-    that variable, say): the norms themselves (:attr:`norms`,
-    :attr:`flat_norms`) are then right for every finite gradient whose norm is
-    below float32's largest value. Rules should read those;
-    :attr:`squared_norms` multiplies the scales back in.
-
-    Args:
-        squared_norms: ``(B, V)``, squared L2 norm of example i's gradient of
-            variable k, divided by ``scale[i, k] ** 2`` when ``scale`` is given.
-        gram: ``(B, B)`` Gram matrix ``<g_i, g_j>`` over all variables, or
-            ``None`` when the aggregator did not ask for it (not rescaled: an
-            example whose squared norm overflows has infinite entries).
-        scale: ``(B, V)`` positive factors, or ``None`` (all one).
+    Steps whose output rows are weighted sums of input rows (clipping, filtering,
+    bucketing) implement :meth:`row_map`; their :meth:`preprocess` is its
+    application, and the streaming path applies the map (composed with the next
+    steps' maps) to each layer's input and output gradient instead. A step may be a
+    rule of its own too (``clip`` is the mean of the clipped examples).
     """
 
-    def __init__(self, squared_norms, gram=None, *, scale=None):
-        self.scaled_squared_norms = squared_norms
-        self.gram = gram
-        self.scale = scale
+    #: Whether :meth:`row_map` reads per-example statistics (squared norms).
+    map_reads_statistics: bool = False
+    #: Whether an output row of :meth:`row_map` combines several examples (bucketing):
+    #: its statistics then do not follow from theirs.
+    mixes_examples: bool = False
 
-    @property
-    def batch_size(self):
-        return ops.shape(self.scaled_squared_norms)[0]
+    def row_map(self, stats: ExampleStatistics | None, batch_size) -> RowMap:
+        """The step as a linear map of a batch of ``batch_size`` examples; ``stats`` are
+        their statistics (``None`` unless :attr:`map_reads_statistics`)."""
+        raise NotImplementedError
 
-    @property
-    def squared_norms(self):
-        """``(B, V)`` squared norms (infinite where one overflows float32)."""
-        if self.scale is None:
-            return self.scaled_squared_norms
-        return self.scaled_squared_norms * ops.square(self.scale)
-
-    @property
-    def flat_squared_norms(self):
-        """``(B,)`` squared norms of the flat gradients (infinite where one overflows)."""
-        return ops.sum(self.squared_norms, axis=1)
-
-    @property
-    def norms(self):
-        """``(B, V)`` L2 norms of example i's gradient of variable k, without overflow."""
-        norms = ops.sqrt(self.scaled_squared_norms)
-        return norms if self.scale is None else norms * self.scale
-
-    @property
-    def flat_norms(self):
-        """``(B,)`` L2 norms of the flat gradients, without overflow."""
-        if self.scale is None:
-            return ops.sqrt(ops.sum(self.scaled_squared_norms, axis=1))
-        largest = ops.max(self.scale, axis=1)
-        relative = ops.square(self.scale / largest[:, None])
-        return ops.sqrt(ops.sum(self.scaled_squared_norms * relative, axis=1)) * largest
-
-    @property
-    def finite(self):
-        """``(B,)`` booleans: whether example i's statistics are finite (a gradient with a
-        NaN or an infinity has a non-finite norm; an overflowing squared norm alone is not)."""
-        finite = ops.all(ops.isfinite(self.scaled_squared_norms), axis=1)
-        return finite if self.scale is None else finite & ops.all(ops.isfinite(self.scale), axis=1)
-
-    def rows(self, rows) -> ExampleStatistics:
-        """The statistics of the examples ``rows`` (``(J,)`` indices), in that order."""
-        gram = self.gram
-        if gram is not None:
-            gram = ops.take(ops.take(gram, rows, axis=0), rows, axis=1)
-        scale = None if self.scale is None else ops.take(self.scale, rows, axis=0)
-        return ExampleStatistics(ops.take(self.scaled_squared_norms, rows, axis=0), gram, scale=scale)
-
-    def scaled_by(self, factors) -> ExampleStatistics:
-        """The statistics of ``f_i g_i`` (``(B,)`` factors, Gram matrix kept) or of
-        ``f_ik g_ik`` (``(B, V)``: the Gram matrix is not known then)."""
-        factors = ops.cast(factors, "float32")
-        gram = None
-        if len(factors.shape) == 1:
-            if self.gram is not None:
-                gram = factors[:, None] * self.gram * factors[None, :]
-            factors = factors[:, None]
-        # Into the scale, not the squared norms: a clip factor of 1e-19 squared underflows.
-        scale = ops.ones_like(self.scaled_squared_norms) if self.scale is None else self.scale
-        return ExampleStatistics(self.scaled_squared_norms, gram, scale=scale * ops.abs(factors))
-
-    @classmethod
-    def from_gradients(cls, gradients, gram: bool = False) -> ExampleStatistics:
-        flat = [ops.reshape(g, (ops.shape(g)[0], -1)) for g in gradients]
-        squared_norms, scale = squared_norms_of_rows(flat)
-        gram_matrix = None
-        if gram:
-            gram_matrix = sum(ops.matmul(f, ops.transpose(f)) for f in flat)
-        return cls(squared_norms, gram_matrix, scale=scale)
+    @protocol_form
+    def preprocess(self, gradients):
+        stats = ExampleStatistics.from_gradients(gradients) if self.map_reads_statistics else None
+        rows = self.row_map(stats, batch_size_of(gradients))
+        return [rows.apply(g, k) for k, g in enumerate(gradients)]
 
 
-def row_scales(tensor):
-    """``(B,)``: the largest absolute entry of each example's part of ``tensor`` (batch
-    first), 1 where that is zero or not finite. Divided by it, no square overflows."""
-    tensor = ops.cast(tensor, "float32")
-    largest = ops.max(ops.abs(tensor), axis=tuple(range(1, len(tensor.shape))))
-    return ops.where(ops.isfinite(largest) & (largest > 0), largest, ops.ones_like(largest))
-
-
-def overflow_safe(plain, rescaled):
-    """``(squared norms, scale)``: ``(plain, ones)`` when every entry of ``plain`` (``(B, V)``
-    squared norms) is finite, else ``rescaled()``, which computes them divided by the
-    square of a ``(B, V)`` scale. One branch runs (``keras.ops.cond``): the rescaling costs
-    nothing unless a squared norm overflowed (or a gradient is not finite)."""
-    plain = ops.cast(plain, "float32")
-
-    def unscaled():
-        return plain, ops.ones_like(plain)
-
-    return ops.cond(ops.all(ops.isfinite(plain)), unscaled, rescaled)
-
-
-def squared_norms_of_rows(rows: list):
-    """``((B, V), (B, V))``: the squared norms of ``(B, n_k)`` gradient rows of ``V`` variables,
-    without overflow (:func:`overflow_safe`; scaled by each row's largest entry)."""
-    rows = [ops.cast(r, "float32") for r in rows]
-    plain = ops.stack([ops.sum(r * r, axis=1) for r in rows], axis=1)
-
-    def rescaled():
-        norms, scales = scaled_squared_norms_of_rows(rows)
-        return ops.stack(norms, axis=1), ops.stack(scales, axis=1)
-
-    return overflow_safe(plain, rescaled)
-
-
-def scaled_squared_norms_of_rows(rows: list):
-    """``(norms, scales)``: for each ``(B, n)`` rows tensor, the ``(B,)`` squared norms of its
-    rows divided by their largest entry, and those entries (:func:`row_scales`)."""
-    scales = [row_scales(r) for r in rows]
-    return [ops.sum(ops.square(r / s[:, None]), axis=1) for r, s in zip(rows, scales)], scales
-
-
-def weighted_sum(gradients, weights) -> list:
-    """``sum_i w_i g_i`` per variable; ``weights`` is ``(B,)`` or ``(B, V)``."""
-    out = []
-    for k, g in enumerate(gradients):
-        w = weights if len(weights.shape) == 1 else weights[:, k]
-        flat = ops.reshape(g, (ops.shape(g)[0], -1))
-        out.append(ops.reshape(ops.matmul(ops.cast(w, g.dtype)[None, :], flat)[0], g.shape[1:]))
-    return out
-
-
-def finite_examples(gradients) -> object:
-    """``(B,)`` booleans: whether example i's gradient is finite in every variable."""
-    rows = [ops.reshape(g, (ops.shape(g)[0], -1)) for g in gradients]
-    return ops.all(ops.stack([ops.all(ops.isfinite(r), axis=1) for r in rows], axis=1), axis=1)
-
-
-def zero_non_finite_examples(gradients) -> list:
-    """Sets to zero the gradient of every example that has a NaN or an infinity.
-
-    ``PerExampleModel`` applies it before a differentially private rule,
-    whatever wraps it and on every engine path: the example then contributes
-    nothing, which the sensitivity bound allows, whereas a NaN update would
-    reveal without noise that it was in the batch.
-    """
-    return zero_examples(finite_examples(gradients), list(gradients))
-
-
-def zero_examples(keep, structure):
-    """``structure`` (tensors with a leading batch axis) with example i's rows set to zero in
-    every floating-point tensor where ``keep[i]`` is false.
-
-    The zeroing runs only when some example is not kept (``keras.ops.cond``): a batch of
-    finite examples costs one reduction, not a pass over every tensor (on eager torch that
-    pass was a sixth of a DP step of a language model, whose LM head's output gradient is
-    B x T x vocabulary). The step's duration then shows whether a batch held a non-finite
-    example, as it shows anything else the data changes; only the released update is covered
-    by the guarantee.
-    """
-
-    def zeroed():
-        def where(t):
-            if not _is_float_tensor(t):
-                return t
-            return ops.where(ops.reshape(keep, (-1,) + (1,) * (len(t.shape) - 1)), t, ops.zeros_like(t))
-
-        return keras.tree.map_structure(where, structure)
-
-    return ops.cond(ops.all(keep), lambda: structure, zeroed)
-
-
-class RowMap:
-    """A linear map of the batch of per-example gradients: what pre-processing steps do.
-
-    Output row ``j`` of variable ``k`` is ``sum_t weights[j, t, k] g_{order[j, t]}``:
-    clipping scales each row (``order`` the identity), ``norm_filter`` keeps some
-    rows, ``bucketing`` averages groups of rows. Because the map is linear, the
-    streaming path (``pergrad.engine.streaming``) can apply it to a layer's
-    input and output gradient before any per-example gradient is formed, and
-    the maps of consecutive steps compose into one.
-
-    Attributes:
-        order: ``(J, s)`` int32 row indices, or ``None``: the identity (``s = 1``).
-        weights: ``(J, s, 1)`` (the same for every variable) or ``(J, s, V)``
-            float32, or ``None`` (all one).
-    """
-
-    def __init__(self, order=None, weights=None):
-        self.order, self.weights = order, weights
-
-    @classmethod
-    def scaling(cls, scales) -> RowMap:
-        """Row i times ``scales[i]`` (``(B,)``) or ``scales[i, k]`` (``(B, V)``)."""
-        scales = ops.cast(scales, "float32")
-        return cls(None, scales[:, None, None] if len(scales.shape) == 1 else scales[:, None, :])
-
-    @property
-    def per_variable(self) -> bool:
-        """Whether the weights differ between variables."""
-        return self.weights is not None and self.weights.shape[2] != 1
-
-    def variable_weights(self, k):
-        """``(J, s)`` weights of variable ``k``, or ``None`` (all one)."""
-        if self.weights is None:
-            return None
-        return self.weights[:, :, k if self.per_variable else 0]
-
-    def then(self, second: RowMap) -> RowMap:
-        """The map applying ``self``, then ``second`` to ``self``'s output rows."""
-        if second.order is None:
-            if self.weights is None or second.weights is None:
-                return RowMap(self.order, second.weights if self.weights is None else self.weights)
-            return RowMap(self.order, self.weights * second.weights)
-        if self.order is None:  # s = 1: the second map's rows, reweighted
-            weights = second.weights
-            if self.weights is not None:
-                first = ops.take(self.weights[:, 0], second.order, axis=0)  # (J2, s2, V)
-                weights = first if weights is None else first * weights
-            return RowMap(second.order, weights)
-        order = ops.take(self.order, second.order, axis=0)  # (J2, s2, s1)
-        size = ops.shape(order)
-        weights = None
-        if self.weights is not None:
-            weights = ops.take(self.weights, second.order, axis=0)  # (J2, s2, s1, V)
-        if second.weights is not None:
-            outer = second.weights[:, :, None, :]
-            weights = ops.repeat(outer, size[2], axis=2) if weights is None else weights * outer
-        if weights is not None:
-            weights = ops.reshape(weights, (size[0], size[1] * size[2], weights.shape[3]))
-        return RowMap(ops.reshape(order, (size[0], size[1] * size[2])), weights)
-
-    def statistics(self, stats: ExampleStatistics) -> ExampleStatistics | None:
-        """The statistics of the output rows, where they follow from ``stats``: with one
-        input row per output row (``s = 1``); the Gram matrix only with flat weights.
-        ``None`` otherwise (a bucket mean's norm needs the Gram matrix of its rows)."""
-        if self.order is not None and self.order.shape[1] != 1:
-            return None
-        if self.order is not None:
-            stats = stats.rows(self.order[:, 0])
-        if self.weights is None:
-            return stats
-        weights = self.weights[:, 0]  # (J, 1) or (J, V)
-        return stats.scaled_by(weights if self.per_variable else weights[:, 0])
-
-    def apply(self, gradient, k=0):
-        """The map applied to variable ``k``'s per-example gradients ``(B, ...)``: ``(J, ...)``."""
-        weights = self.variable_weights(k)
-        if self.order is None:
-            if weights is None:
-                return gradient
-            return gradient * _row_column(ops.cast(weights[:, 0], gradient.dtype), gradient)
-        rows = ops.take(gradient, ops.reshape(self.order, (-1,)), axis=0)
-        if weights is not None:
-            rows = rows * _row_column(ops.cast(ops.reshape(weights, (-1,)), rows.dtype), rows)
-        size = ops.shape(self.order)
-        return ops.sum(ops.reshape(rows, (size[0], size[1]) + tuple(gradient.shape[1:])), axis=1)
-
-
-def _row_column(values, like):
-    """``(N,)`` values shaped to multiply the rows of ``like``."""
-    return ops.reshape(values, (-1,) + (1,) * (len(like.shape) - 1))
-
-
-@_serializable
+@serializable
 class WeightedAggregator(Aggregator):
     """Rules whose result is ``sum_i w_i g_i`` with weights from statistics.
 
@@ -600,6 +360,12 @@ class WeightedAggregator(Aggregator):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if not cls.reads_statistics and cls.needs_gram:
+            raise TypeError(
+                f"{cls.__name__} sets reads_statistics = False (every example weighs the "
+                "same) and needs_gram = True (its weights read the Gram matrix): at most one "
+                "can hold."
+            )
         if not cls.reads_statistics and cls.distribution not in (LOCAL_MEAN, LOCAL_SUM):
             raise TypeError(
                 f"{cls.__name__} sets reads_statistics = False, which declares that every "
@@ -622,17 +388,8 @@ class WeightedAggregator(Aggregator):
         return self.finalize(weighted_sum(gradients, self.example_weights(stats)), stats)
 
 
-def scale_examples(gradients, scales) -> list:
-    """Multiplies example i's gradient by ``scales[i]`` (``(B,)``) or ``scales[i, k]`` (``(B, V)``)."""
-    out = []
-    for k, g in enumerate(gradients):
-        s = scales if len(scales.shape) == 1 else scales[:, k]
-        out.append(g * ops.reshape(ops.cast(s, g.dtype), (-1,) + (1,) * (len(g.shape) - 1)))
-    return out
-
-
-@_serializable
-class ScaledMean(WeightedAggregator):
+@serializable
+class ScaledMean(RowMapStep, WeightedAggregator):
     """The mean of per-example gradients, each rescaled by a factor from its norms.
 
     Subclasses (clipping, normalization) implement :meth:`example_scales`. As a
@@ -657,128 +414,25 @@ class ScaledMean(WeightedAggregator):
     def row_map(self, stats, batch_size):
         return RowMap.scaling(self.example_scales(stats))
 
-    @protocol_form
-    def preprocess(self, gradients):
-        return self.apply_row_map(gradients)
 
-
-@_serializable
+@serializable
 class CoordinateAggregator(Aggregator):
     """Rules applied to one variable at a time: ``(B, ...) -> (...)``."""
 
     kind = COORDINATE
+    #: Whether each coordinate's result depends on that coordinate's ``B`` values
+    #: only (median, trimmed mean), not on the variable's other coordinates: the
+    #: streaming path may then aggregate a variable in parts to bound memory
+    #: (``microbatch_size``).
+    coordinatewise: bool = False
 
     def aggregate_variable(self, gradient):
+        """One variable's result ``(...)`` from its per-example gradients ``(B, ...)``."""
         raise NotImplementedError
 
     @protocol_form
     def aggregate(self, gradients):
         return [self.aggregate_variable(g) for g in gradients]
-
-
-@_serializable
-class FunctionAggregator(Aggregator):
-    """Wraps a plain function ``list[(B, ...)] -> list[(...)]`` (kind arbitrary).
-
-    To save a model that uses it, register the function with
-    ``keras.saving.register_keras_serializable`` (``get_config``, hence
-    ``model.save()``, warns when ``load_model`` could not restore it). The
-    function's result is type-checked before use: a list or tuple of float
-    tensors, one per variable.
-    """
-
-    def __init__(self, function: Callable, per_variable: bool = False, **kwargs):
-        super().__init__(**kwargs)
-        self.function = function
-        self.per_variable = per_variable
-        if per_variable:
-            self.kind = COORDINATE
-
-    def aggregate_variable(self, gradient):
-        """A ``per_variable`` function's result for one variable (the streaming path's unit)."""
-        return self.aggregate([gradient])[0]
-
-    @protocol_form  # with per_variable (kind coordinate); other kinds have no parts
-    def aggregate(self, gradients):
-        if self.per_variable:
-            result = [self.function(g) for g in gradients]
-        else:
-            result = self.function(gradients)
-        # Checked before use: iterating over a tensor or a dict fails obscurely. Shapes
-        # are left to `check_result`, which knows the variables' names.
-        return _check_structure(
-            result,
-            [tuple(g.shape[1:]) for g in gradients],
-            [f"#{k} (of {len(gradients)})" for k in range(len(gradients))],
-            f"Aggregator function {_function_name(self.function)!r}",
-            check_shapes=False,
-        )
-
-    def get_config(self):
-        function = keras.saving.serialize_keras_object(self.function)
-        if not _loadable(function):
-            warnings.warn(
-                f"The aggregator function {_function_name(self.function)!r} is not registered "
-                "with Keras: a model saved with it cannot be loaded by "
-                "keras.models.load_model() (unless it is given in custom_objects). Define it "
-                "as a named function decorated with "
-                "@keras.saving.register_keras_serializable() before saving.",
-                UserWarning,
-                stacklevel=2,
-            )
-        config = super().get_config()
-        config.update(function=function, per_variable=self.per_variable)
-        return config
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["function"] = keras.saving.deserialize_keras_object(config["function"])
-        return cls(**config)
-
-
-def _function_name(function) -> str:
-    return getattr(function, "__name__", type(function).__name__)
-
-
-def _loadable(serialized) -> bool:
-    """Whether ``load_model`` (safe mode, no custom objects) can restore a serialized function."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            keras.saving.deserialize_keras_object(serialized, safe_mode=True)
-    except Exception:  # noqa: BLE001 - any failure means the saved model cannot be loaded
-        return False
-    return True
-
-
-def per_variable(function: Callable) -> FunctionAggregator:
-    """Lifts ``function((B, ...)) -> (...)`` to an aggregator, variable by variable."""
-    return FunctionAggregator(function, per_variable=True)
-
-
-def get(identifier) -> Aggregator:
-    """An aggregator from a name (``"median"``), an instance, or a callable."""
-    if identifier is None:
-        identifier = "mean"
-    if isinstance(identifier, Aggregator):
-        return identifier
-    if isinstance(identifier, type) and issubclass(identifier, Aggregator):
-        return identifier()  # the class itself (`Median`), not a function of gradients
-    if isinstance(identifier, str):
-        if identifier not in _REGISTERED:
-            raise ValueError(
-                f"Unknown aggregator {identifier!r}; known names: {sorted(_REGISTERED)}. "
-                "Pass an aggregator object or a function to use another rule."
-            )
-        return _REGISTERED[identifier]()
-    if isinstance(identifier, dict):
-        return keras.saving.deserialize_keras_object(identifier)
-    if callable(identifier):
-        return FunctionAggregator(identifier)
-    raise TypeError(
-        f"An aggregator is a name, an Aggregator or a callable; got {identifier!r}."
-    )
 
 
 def _describe(value) -> str:
@@ -795,13 +449,7 @@ def _describe(value) -> str:
     return f"a {where}{type(value).__name__} ({value!r:.40})"
 
 
-def _is_float_tensor(value) -> bool:
-    if isinstance(value, (bool, int, float, complex)) or not hasattr(value, "dtype"):
-        return False
-    return hasattr(value, "shape") and "float" in keras.backend.standardize_dtype(value.dtype)
-
-
-def _check_structure(result, shapes: Sequence, names: Sequence, who: str, check_shapes=True) -> list:
+def check_structure(result, shapes: Sequence, names: Sequence, who: str, check_shapes=True) -> list:
     """Raises a clear error unless ``result`` is a list or tuple of float tensors of ``shapes``."""
     expected = (
         f"a list with one tensor per trainable variable ({len(shapes)} float tensors, of "
@@ -816,7 +464,7 @@ def _check_structure(result, shapes: Sequence, names: Sequence, who: str, check_
             f"expected {expected}."
         )
     for value, shape, name in zip(result, shapes, names):
-        if not _is_float_tensor(value):
+        if not is_float_tensor(value):
             raise ValueError(
                 f"{who} returned {_describe(value)} for variable {name} of shape {shape}; "
                 "expected a float tensor of that shape (a gradient: cast integer or bool "
@@ -836,7 +484,7 @@ def check_result(result, variables: Sequence, aggregator_name: str) -> list:
     Expected: a list or tuple of float tensors, one per trainable variable, of
     the variables' shapes; the error says what came instead.
     """
-    return _check_structure(
+    return check_structure(
         result,
         [tuple(v.shape) for v in variables],
         [repr(v.path) for v in variables],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import keras
 from keras import ops
 
 from pergrad.aggregators import selection
@@ -16,16 +15,13 @@ from pergrad.aggregators.base import (
     ScaledMean,
     WeightedAggregator,
     protocol_form,
-    register,
+    serializable,
 )
+from pergrad.aggregators.registry import register
 from pergrad.arguments import check_number
 
 
-def _serializable(cls):
-    return keras.saving.register_keras_serializable(package="pergrad")(cls)
-
-
-@_serializable
+@serializable
 class Mean(WeightedAggregator):
     """The batch mean: what plain Keras ``fit()`` uses."""
 
@@ -43,7 +39,7 @@ class Mean(WeightedAggregator):
         return [ops.mean(g, axis=0) for g in gradients]
 
 
-@_serializable
+@serializable
 class Sum(WeightedAggregator):
     """The sum over the batch."""
 
@@ -58,7 +54,7 @@ class Sum(WeightedAggregator):
         return [ops.sum(g, axis=0) for g in gradients]
 
 
-@_serializable
+@serializable
 class Median(CoordinateAggregator):
     """Coordinate-wise median (Yin et al., 2018, "Byzantine-robust distributed
     learning: towards optimal statistical rates"). For an even batch, the mean
@@ -70,7 +66,7 @@ class Median(CoordinateAggregator):
         return selection.median(gradient)
 
 
-@_serializable
+@serializable
 class TrimmedMean(CoordinateAggregator):
     """Coordinate-wise trimmed mean (Yin et al., 2018).
 
@@ -106,18 +102,22 @@ class TrimmedMean(CoordinateAggregator):
         return {**super().get_config(), "trim": self.trim}
 
 
-def clip_factors(norms, threshold: float):
-    """``min(1, threshold / norm)`` for every entry of ``norms``: the factors that clip
-    gradients of those norms to ``threshold`` (0 for an infinite norm, NaN for a NaN one).
+def clip_factors(stats: ExampleStatistics, threshold: float, per_layer: bool = False):
+    """``(factors, norms)``: the factors ``min(1, threshold / norm)`` that clip each
+    example's gradient to norm ``threshold``, flat (``(B,)``) or each variable's
+    separately (``per_layer``: ``(B, V)``), and the norms they come from. A factor is 0
+    for an infinite norm, NaN for a NaN one. Clipping (``clip``), DP-SGD
+    (``dp_gaussian``) and centered clipping clip with it.
 
-    Takes the norms, not their squares (:attr:`ExampleStatistics.norms`): a squared norm
+    From the norms, not their squares (:attr:`ExampleStatistics.norms`): a squared norm
     overflows float32 for a gradient that is still finite, and would give factor 0
     instead of clipping that gradient to ``threshold``.
     """
-    return threshold / ops.maximum(norms, threshold)
+    norms = ops.cast(stats.norms if per_layer else stats.flat_norms, "float32")
+    return threshold / ops.maximum(norms, threshold), norms
 
 
-@_serializable
+@serializable
 class Clip(ScaledMean):
     """Per-example L2 clipping, then the mean (Abadi et al., 2016, DP-SGD
     without noise).
@@ -148,11 +148,11 @@ class Clip(ScaledMean):
         self.per_layer = per_layer
 
     def clip_factors(self, stats: ExampleStatistics):
-        norms = stats.norms if self.per_layer else stats.flat_norms
+        factors, norms = clip_factors(stats, self.l2_norm, self.per_layer)
         # A sum and a count: on several replicas the train step sums both (the whole batch's).
         clipped = ops.cast(norms > self.l2_norm, "float32")
         self.report("clipped_fraction", ops.sum(clipped), count=ops.size(clipped))
-        return clip_factors(norms, self.l2_norm)
+        return factors
 
     def example_scales(self, stats: ExampleStatistics):
         return self.clip_factors(stats)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import keras
 from keras import ops
 
-from pergrad.aggregators.base import ExampleStatistics, ScaledMean, register
+from pergrad.aggregators.base import ExampleStatistics, ScaledMean, serializable
+from pergrad.aggregators.registry import register
 from pergrad.arguments import check_number
 
 
-@keras.saving.register_keras_serializable(package="pergrad")
+@serializable
 class AutomaticClip(ScaledMean):
     """Automatic clipping: each example's gradient normalized, then averaged.
 

@@ -22,23 +22,21 @@ from keras import ops
 
 from pergrad import compat
 from pergrad.aggregators.base import (
-    ARBITRARY,
+    COORDINATE,
     STATISTICS,
-    WHOLE_BATCH,
     Aggregator,
+    CoordinateAggregator,
     ExampleStatistics,
     RowMap,
+    RowMapStep,
     ScaledMean,
     WeightedAggregator,
-    get,
-    protocol_form,
+    serializable,
 )
+from pergrad.aggregators.batch import row_range
+from pergrad.aggregators.registry import get
 from pergrad.arguments import check_integer
 from pergrad.backend import adapter
-
-
-def _serializable(cls):
-    return keras.saving.register_keras_serializable(package="pergrad")(cls)
 
 
 def _refuse_private(rule: Aggregator, wrapper: str) -> None:
@@ -62,8 +60,32 @@ def _multiply_weights(first, second):
     return first * second[:, None]
 
 
-@_serializable
-class Chain(WeightedAggregator):
+def _chain_class(steps) -> type:
+    """The class a chain of ``steps`` is, from its final rule's kind.
+
+    :class:`WeightedChain` (kind ``"statistics"``) when the final rule is a statistics
+    rule and every step before it rescales examples (clipping, automatic clipping),
+    flat ones if the final rule reads the Gram matrix: then ``s_i g_i`` has squared
+    norms ``s_i^2 ||g_i||^2`` and Gram matrix ``s_i s_j G_ij``, and the result is
+    ``sum_i s_i w_i g_i``. :class:`CoordinateChain` (kind ``"coordinate"``) when the
+    final rule is a coordinate rule. :class:`Chain` (kind ``"arbitrary"``) otherwise.
+    """
+    if not steps:
+        return Chain  # which refuses an empty chain
+    final, before = steps[-1], steps[:-1]
+    scalings = all(isinstance(step, ScaledMean) for step in before)
+    flat = not any(getattr(step, "per_layer", False) for step in before)
+    if isinstance(final, WeightedAggregator) and final.kind == STATISTICS and scalings and (
+        flat or not final.needs_gram
+    ):
+        return WeightedChain
+    if final.kind == COORDINATE:
+        return CoordinateChain
+    return Chain
+
+
+@serializable
+class Chain(Aggregator):
     """Pre-processing steps, then a final rule.
 
     Every step but the last must be a pre-processing step (``clip``,
@@ -71,11 +93,11 @@ class Chain(WeightedAggregator):
     the last is any aggregator. Diagnostics of all steps are reported (a name
     reported by two steps becomes ``step<i>_<name>``).
 
-    The kind is ``"statistics"`` when the final rule is and every step before it
-    rescales examples (clipping, automatic clipping), flat ones if the final rule
-    reads the Gram matrix: then ``s_i g_i`` has squared norms ``s_i^2 ||g_i||^2``
-    and Gram matrix ``s_i s_j G_ij``, and the result is ``sum_i s_i w_i g_i``.
-    Otherwise the kind is ``"arbitrary"``: the steps run on the gradients.
+    :func:`chain` returns the class the steps' kind implies: a
+    :class:`WeightedChain` when the chain is a statistics rule, a
+    :class:`CoordinateChain` when its final rule is a coordinate rule, this class
+    (kind ``"arbitrary"``: the steps run on the gradients, then the final rule)
+    otherwise. A saved chain of any kind loads as that class.
 
     A differentially private rule (``pergrad.privacy.dp_gaussian``) is
     refused at any position: its guarantee holds only as the model's
@@ -101,17 +123,6 @@ class Chain(WeightedAggregator):
                     "(without an aggregator) can come before the last rule."
                 )
         self.steps = steps
-        final = steps[-1]
-        scalings = all(isinstance(step, ScaledMean) for step in steps[:-1])
-        flat = not any(getattr(step, "per_layer", False) for step in steps[:-1])
-        if final.kind == STATISTICS and scalings and (flat or not final.needs_gram):
-            self.kind = STATISTICS
-            self.needs_gram = final.needs_gram
-            # Each step scales an example by its own norms: the chain splits as its rule.
-            self.distribution = final.distribution
-        else:
-            self.kind = ARBITRARY
-            self.distribution = WHOLE_BATCH
         names = [name for step in steps for name in step.diagnostics]
         self._report_names = [
             {name: name if names.count(name) == 1 else f"step{i}_{name}" for name in step.diagnostics}
@@ -119,6 +130,15 @@ class Chain(WeightedAggregator):
         ]
         self.diagnostics = tuple(n for renames in self._report_names for n in renames.values())
         self.min_batch_size = self._smallest_batch()
+
+    def _check_kind(self) -> None:
+        """Raises unless the steps make this class's kind (a variant built directly)."""
+        made = _chain_class(self.steps)
+        if not isinstance(self, made):
+            raise ValueError(
+                f"These steps make a {made.__name__} (kind {made.kind!r}), not a "
+                f"{type(self).__name__}: build chains with pergrad.aggregators.chain(...)."
+            )
 
     def _smallest_batch(self, limit: int = 1_000_000) -> int:
         for batch_size in range(1, limit):
@@ -142,27 +162,10 @@ class Chain(WeightedAggregator):
                 step.build(shapes)
         self.built = True
 
-    def example_weights(self, stats: ExampleStatistics):
-        scales = None
-        for step in self.steps[:-1]:
-            step_scales = step.example_scales(stats)
-            stats = stats.scaled_by(step_scales)
-            scales = step_scales if scales is None else _multiply_weights(scales, step_scales)
-        weights = self.steps[-1].example_weights(stats)
-        return weights if scales is None else _multiply_weights(scales, weights)
-
-    def finalize(self, result, stats):
-        # The chain's input statistics: no final rule of a chain reads them here
-        # (DP rules, whose noise does, are refused in chains).
-        return self.steps[-1].finalize(result, stats)
-
     def steps_and_rule(self):
         return list(self.steps[:-1]), self.steps[-1]
 
-    @protocol_form  # with kind statistics, the only kind whose protocol has parts here
     def aggregate(self, gradients):
-        if self.kind == STATISTICS:
-            return super().aggregate(gradients)
         for step in self.steps[:-1]:
             gradients = step.preprocess(gradients)
         return self.steps[-1](gradients)
@@ -180,9 +183,71 @@ class Chain(WeightedAggregator):
             "steps": [keras.saving.serialize_keras_object(step) for step in self.steps],
         }
 
+    @classmethod
+    def from_config(cls, config):
+        if cls is not Chain:
+            return super().from_config(config)
+        # Saved as "Chain" (every kind was, once): loaded as the class its steps make.
+        steps = [get(step) for step in config["steps"]]
+        return super(Chain, _chain_class(steps)).from_config({**config, "steps": steps})
 
-@_serializable
-class Bucketing(Aggregator):
+
+@serializable
+class WeightedChain(Chain, WeightedAggregator):
+    """A chain of rescaling steps before a statistics rule: a statistics rule itself.
+
+    Each step scales example i by a factor from its own norms, so the chain's weights
+    are the steps' factors times the final rule's weights on the rescaled statistics
+    (:func:`_chain_class`), and the statistics path computes it without per-example
+    gradients.
+    """
+
+    aggregate = WeightedAggregator.aggregate  # the protocol's, not the steps run one by one
+
+    def __init__(self, steps, **kwargs):
+        super().__init__(steps, **kwargs)
+        self._check_kind()
+        final = self.steps[-1]
+        self.needs_gram = final.needs_gram
+        # Each step scales an example by its own norms: the chain splits as its rule.
+        self.distribution = final.distribution
+
+    def example_weights(self, stats: ExampleStatistics):
+        scales = None
+        for step in self.steps[:-1]:
+            step_scales = step.example_scales(stats)
+            stats = stats.scaled_by(step_scales)
+            scales = step_scales if scales is None else _multiply_weights(scales, step_scales)
+        weights = self.steps[-1].example_weights(stats)
+        return weights if scales is None else _multiply_weights(scales, weights)
+
+    def finalize(self, result, stats):
+        # The chain's input statistics: no final rule of a chain reads them here
+        # (DP rules, whose noise does, are refused in chains).
+        return self.steps[-1].finalize(result, stats)
+
+
+@serializable
+class CoordinateChain(Chain, CoordinateAggregator):
+    """Pre-processing steps before a coordinate rule: the steps' rows, then the final
+    rule variable by variable (the streaming path runs it so, from
+    :meth:`steps_and_rule`: the steps' composed row map, then the rule's
+    ``aggregate_variable`` on each variable's mapped rows)."""
+
+    def __init__(self, steps, **kwargs):
+        super().__init__(steps, **kwargs)
+        self._check_kind()
+
+    def aggregate_variable(self, gradient):
+        raise TypeError(
+            "A chain has no aggregate_variable of its own: its steps read every variable "
+            "(a flat norm, one permutation for all); steps_and_rule() gives the steps and "
+            "the coordinate rule to apply to their rows."
+        )
+
+
+@serializable
+class Bucketing(RowMapStep):
     """Bucketing: random buckets of examples averaged, then a robust rule.
 
     Each call draws a random permutation of the batch (from a
@@ -207,7 +272,6 @@ class Bucketing(Aggregator):
         heterogeneous datasets via bucketing", ICLR.
     """
 
-    kind = ARBITRARY
     mixes_examples = True
 
     def __init__(self, size: int, aggregator=None, seed: int | None = None, **kwargs):
@@ -258,10 +322,6 @@ class Bucketing(Aggregator):
             ops.reshape(weights, (count, self.size, 1)),
         )
 
-    @protocol_form
-    def preprocess(self, gradients):
-        return self.apply_row_map(gradients)
-
     def steps_and_rule(self):
         return None if self.aggregator is None else ([self], self.aggregator)
 
@@ -303,7 +363,7 @@ def group_sizes(batch_size: int, groups: int) -> list[int]:
     return [min(rows, max(0, batch_size - g * rows)) for g in range(groups)]
 
 
-@_serializable
+@serializable
 class TwoLevel(Aggregator):
     """A two-level rule: ``local`` on each group of the batch, then ``across`` the groups.
 
@@ -343,8 +403,6 @@ class TwoLevel(Aggregator):
         local: the rule within a group; an aggregator or its name.
         across: the rule across the groups' results; an aggregator or its name.
     """
-
-    kind = ARBITRARY
 
     def __init__(self, groups: int, local="median", across="median", **kwargs):
         super().__init__(**kwargs)
@@ -435,11 +493,11 @@ class TwoLevel(Aggregator):
         for g in range(self.groups):
             start = ops.minimum(g * rows_per, batch_size - 1)
             size = ops.maximum(ops.minimum(rows_per, batch_size - g * rows_per), 1)
-            results.append(self._local([_rows(v, start, size) for v in gradients]))
+            results.append(self._local([row_range(v, start, size) for v in gradients]))
         count = (batch_size + rows_per - 1) // rows_per
         stacked = [ops.stack([r[k] for r in results]) for k in range(len(gradients))]
         smallest = batch_size - (count - 1) * rows_per  # the last non-empty group
-        return self.across(self._checked([_rows(v, 0, count) for v in stacked], smallest, count))
+        return self.across(self._checked([row_range(v, 0, count) for v in stacked], smallest, count))
 
     def _checked(self, rows, smallest, count):
         """``rows`` made to wait for a run-time check that the smallest non-empty group
@@ -464,7 +522,7 @@ class TwoLevel(Aggregator):
         group gets a stand-in row of zeros, which :meth:`combine_groups` leaves out."""
         size = ops.shape(gradients[0])[0]
         padded = [ops.concatenate([g, ops.zeros((1,) + tuple(g.shape[1:]), g.dtype)]) for g in gradients]
-        return self._local([_rows(g, 0, ops.maximum(size, 1)) for g in padded])
+        return self._local([row_range(g, 0, ops.maximum(size, 1)) for g in padded])
 
     def combine_groups(self, rows, sizes) -> list:
         """``across`` on the non-empty groups' results.
@@ -479,7 +537,7 @@ class TwoLevel(Aggregator):
         order = ops.argsort(ops.where(nonempty, position, position + self.groups))
         count = ops.sum(ops.cast(nonempty, "int32"))
         smallest = ops.min(ops.where(nonempty, sizes, ops.max(sizes)))
-        rows = [_rows(ops.take(r, order, axis=0), 0, count) for r in rows]
+        rows = [row_range(ops.take(r, order, axis=0), 0, count) for r in rows]
         return self.across(self._checked(rows, smallest, count))
 
     def pop_reports(self, total=None):
@@ -496,14 +554,14 @@ class TwoLevel(Aggregator):
         }
 
 
-def _rows(values, start, size):
-    """``values[start : start + size]`` for tensor bounds."""
-    return ops.slice(values, (start,) + (0,) * (len(values.shape) - 1), (size,) + tuple(values.shape[1:]))
-
-
 def chain(*steps) -> Chain:
-    """Pre-processing steps, then a final rule: ``chain(clip(1.0), bucketing(2), median())``."""
-    return Chain(list(steps))
+    """Pre-processing steps, then a final rule: ``chain(clip(1.0), bucketing(2), median())``.
+
+    A :class:`WeightedChain`, a :class:`CoordinateChain` or a :class:`Chain`, as the steps'
+    kind implies (:func:`_chain_class`).
+    """
+    steps = [get(step) for step in steps]
+    return _chain_class(steps)(steps)
 
 
 def bucketing(size: int, aggregator=None, seed: int | None = None) -> Bucketing:

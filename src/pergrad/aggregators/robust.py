@@ -16,28 +16,25 @@ from __future__ import annotations
 
 import math
 
-import keras
 from keras import ops
 
 from pergrad.aggregators import selection
 from pergrad.aggregators.base import (
-    ARBITRARY,
     Aggregator,
     CoordinateAggregator,
     ExampleStatistics,
     RowMap,
+    RowMapStep,
     WeightedAggregator,
     batch_size_of,
     batch_sum,
     protocol_form,
-    register,
+    serializable,
     weighted_sum,
 )
+from pergrad.aggregators.basic import clip_factors
+from pergrad.aggregators.registry import register
 from pergrad.arguments import check_integer, check_number
-
-
-def _serializable(cls):
-    return keras.saving.register_keras_serializable(package="pergrad")(cls)
 
 
 def _check_fraction(owner: str, name: str, value: float) -> float:
@@ -69,7 +66,7 @@ def _float(value):
     return ops.cast(value, "float32")
 
 
-@_serializable
+@serializable
 class MeaMed(CoordinateAggregator):
     """Mean around the median (MeaMed), coordinate by coordinate.
 
@@ -98,7 +95,7 @@ class MeaMed(CoordinateAggregator):
         return {**super().get_config(), "byzantine": self.byzantine}
 
 
-@_serializable
+@serializable
 class Krum(WeightedAggregator):
     """Krum and Multi-Krum: the examples closest to their neighbours.
 
@@ -165,7 +162,7 @@ class Krum(WeightedAggregator):
         return {**super().get_config(), "byzantine": self.byzantine, "select": self.select}
 
 
-@_serializable
+@serializable
 class GeometricMedian(WeightedAggregator):
     """Geometric median by the smoothed Weiszfeld algorithm (RFA).
 
@@ -214,7 +211,7 @@ class GeometricMedian(WeightedAggregator):
         return {**super().get_config(), "max_iter": self.max_iter, "eps": self.eps}
 
 
-@_serializable
+@serializable
 class CenteredClip(Aggregator):
     """Centered clipping, with its center kept across steps (stateful).
 
@@ -237,7 +234,6 @@ class CenteredClip(Aggregator):
         robust optimization", ICML.
     """
 
-    kind = ARBITRARY
     diagnostics = ("clipped_fraction",)
     state_per_variable = True
 
@@ -261,8 +257,7 @@ class CenteredClip(Aggregator):
         batch_size = _float(batch_size_of(gradients))
         for _ in range(self.iters):
             deviations = [g - c[None] for g, c in zip(gradients, center)]
-            norms = ExampleStatistics.from_gradients(deviations).flat_norms
-            factors = self.tau / ops.maximum(norms, self.tau)
+            factors, norms = clip_factors(ExampleStatistics.from_gradients(deviations), self.tau)
             steps = weighted_sum(deviations, factors / batch_size)
             center = [c + s for c, s in zip(center, steps)]
         self.report("clipped_fraction", ops.mean(_float(norms > self.tau)))
@@ -274,7 +269,7 @@ class CenteredClip(Aggregator):
         return {**super().get_config(), "tau": self.tau, "iters": self.iters}
 
 
-@_serializable
+@serializable
 class SignMajority(CoordinateAggregator):
     """Majority vote of signs: ``sign(sum_i sign(g_i))`` per coordinate.
 
@@ -292,8 +287,8 @@ class SignMajority(CoordinateAggregator):
         return ops.sign(batch_sum(ops.sign(gradient)))
 
 
-@_serializable
-class NormFilter(WeightedAggregator):
+@serializable
+class NormFilter(RowMapStep, WeightedAggregator):
     """Drops examples whose gradient norm is an outlier and averages the rest.
 
     The norm is the flat L2 norm over all variables. Exactly one rule:
@@ -364,7 +359,7 @@ class NormFilter(WeightedAggregator):
                 "can only be the last step of chain(...); use norm_filter(drop_fraction=...) "
                 "to filter before another rule."
             )
-        return self.apply_row_map(gradients)
+        return super().preprocess(gradients)
 
     map_reads_statistics = True
 

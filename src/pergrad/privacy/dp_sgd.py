@@ -21,7 +21,13 @@ import keras
 import numpy as np
 from keras import ops
 
-from pergrad.aggregators.base import LOCAL_MEAN, LOCAL_SUM, ExampleStatistics, WeightedAggregator
+from pergrad.aggregators.base import (
+    LOCAL_MEAN,
+    LOCAL_SUM,
+    ExampleStatistics,
+    WeightedAggregator,
+    serializable,
+)
 from pergrad.aggregators.basic import clip_factors
 from pergrad.arguments import check_number
 from pergrad.privacy import noise
@@ -44,7 +50,7 @@ def steps_taken(model) -> int:
     return int(keras.ops.convert_to_numpy(optimizer.iterations)) if optimizer is not None else 0
 
 
-@keras.saving.register_keras_serializable(package="pergrad")
+@serializable
 class DPGaussian(WeightedAggregator):
     """Per-example clipping plus Gaussian noise (DP-SGD, Abadi et al., 2016).
 
@@ -261,27 +267,23 @@ class DPGaussian(WeightedAggregator):
         return ops.cast(stats.batch_size, "float32")
 
     def clip_factors(self, stats: ExampleStatistics):
-        """``min(1, threshold / norm)``: ``(B,)`` flat, ``(B, V)`` per layer."""
-        flat_norms = ops.cast(stats.flat_norms, "float32")
+        """``min(1, threshold / norm)``: ``(B,)`` flat, ``(B, V)`` per layer (clip's factors,
+        :func:`~pergrad.aggregators.basic.clip_factors`, to ``C`` or ``C / sqrt(V)``)."""
+        threshold = self.l2_norm_clip
         if self.per_layer:
-            variables = stats.scaled_squared_norms.shape[1]
-            threshold = self.l2_norm_clip / math.sqrt(variables)
-            norms = ops.cast(stats.norms, "float32")
-            clipped = ops.any(norms > threshold, axis=1)
-        else:
-            threshold = self.l2_norm_clip
-            norms = flat_norms
-            clipped = norms > threshold
+            threshold /= math.sqrt(stats.scaled_squared_norms.shape[1])
+        factors, norms = clip_factors(stats, threshold, self.per_layer)
         # Padding rows (weight 0) have zero gradient: leave them out of the
         # diagnostics so that they describe the real examples.
         if self.log_diagnostics:
+            flat_norms = ops.cast(stats.flat_norms, "float32")
+            clipped = ops.any(norms > threshold, axis=1) if self.per_layer else norms > threshold
             present = ops.cast(flat_norms > 0, "float32")
             # Sums and counts: on several replicas the train step sums them (the whole batch's).
             count = ops.sum(present)
             self.report("clipped_fraction", ops.sum(ops.cast(clipped, "float32") * present), count=count)
             self.report("gradient_norm", ops.sum(ops.where(present > 0, flat_norms, 0.0)), count=count)
         # A NaN norm gives factor 0 (an infinite one does already): that example adds nothing.
-        factors = clip_factors(norms, threshold)
         return ops.where(ops.isnan(factors), 0.0, factors)
 
     def example_weights(self, stats: ExampleStatistics):
