@@ -22,6 +22,7 @@ from pergrad.aggregators.base import (
 )
 from pergrad.aggregators.compose import TwoLevel
 from pergrad.engine import chunked, statistics, streaming
+from pergrad.log import warn_once
 
 #: The paths ``engine_path`` chooses between.
 STATISTICS_PATH, CHUNKED_PATH, MATERIALIZED_PATH = "statistics", "chunked", "materialized"
@@ -94,13 +95,8 @@ def all_finite(gradients):
 
 def log_materialized(wrapper, reason: str) -> None:
     """Logs, once per model and reason, that ``path='auto'`` fell back to the materialized path."""
-    logged = wrapper.__dict__.setdefault("_logged_reasons", set())
-    if reason not in logged:
-        logged.add(reason)
-        statistics.LOGGER.warning(
-            "pergrad: model %r takes the materialized path (every per-example gradient): %s.",
-            wrapper.model.name, reason,
-        )
+    warn_once(wrapper, f"model {wrapper.model.name!r} takes the materialized path (every "
+                       f"per-example gradient): {reason}")
 
 
 def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, sample_weight):
