@@ -43,7 +43,7 @@ def _both(problem, rule, sample_weight, training=True, loss_scale=None):
     """(unchunked result, aux), (chunked result, aux) from the same variable values."""
     model = problem.model
     engine = PerExampleProblem(model, problem.loss, training=training)
-    engine._check_once(problem.x, problem.y)
+    engine.check_once(problem.x, problem.y)
     values = [v.value for v in model.trainable_variables]
     states = [v.value for v in model.non_trainable_variables]
     whole_rule, chunked_rule = rule(), rule()

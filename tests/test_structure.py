@@ -202,3 +202,55 @@ def test_rules_leave_every_collective_to_the_distributed_layer():
     assert {name: sorted(m for m in graph[name] if m.startswith(above)) for name in rules} == {
         name: [] for name in rules
     }
+
+
+def _private_names_used_across_modules() -> list[str]:
+    """``module: name`` for every underscore name a module of src/pergrad takes from another:
+    ``from pergrad.x import _name``, or ``x._name`` of a module it imported. A package's own
+    private modules (``backend._single_replica``) are its business; dunders are not private."""
+    files = {_module_name(path): path for path in SOURCE.rglob("*.py")}
+    found = []
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        modules = set()  # local names bound to pergrad modules
+        nodes = list(ast.walk(ast.parse(path.read_text())))
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parent + ([base] if base else []))
+                if base not in files:
+                    continue
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in files:
+                        modules.add(alias.asname or alias.name)
+                    elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{name}: {base}.{alias.name}")
+            elif isinstance(node, ast.Import):
+                modules.update(alias.asname for alias in node.names if alias.asname and alias.name in files)
+        for node in nodes:
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in modules and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                found.append(f"{name}: {node.value.id}.{node.attr}")
+    return sorted(found)
+
+
+def test_the_private_name_check_finds_imports_and_attributes(tmp_path, monkeypatch):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    for init in (package / "__init__.py", package / "sub" / "__init__.py"):
+        init.write_text("")
+    (package / "sub" / "_own.py").write_text("def _helper():\n    pass\n")
+    (package / "sub" / "b.py").write_text("from pkg.sub import _own\nfrom pkg.a import public\n")
+    (package / "a.py").write_text(
+        "from pkg.sub._own import _helper, __doc__\nfrom pkg.sub import b\npublic = b._x\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "SOURCE", package)
+    assert _private_names_used_across_modules() == ["pkg.a: b._x", "pkg.a: pkg.sub._own._helper"]
+
+
+def test_no_module_uses_another_modules_private_names():
+    """What modules share has a public name in the module that owns it."""
+    assert _private_names_used_across_modules() == []

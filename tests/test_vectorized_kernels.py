@@ -120,7 +120,7 @@ def test_vectorized_pass_makes_no_product_that_onednn_corrupts():
     def example_gradient(example, shared):
         with tf.GradientTape() as tape:
             tape.watch(values)
-            loss, _ = problem._example_loss(values, example, shared)
+            loss, _ = problem.example_loss(values, example, shared)
         return tape.gradient(loss, values)
 
     batched, *_ = problem.batched_inputs(non_trainable, x, y)

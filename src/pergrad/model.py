@@ -270,7 +270,7 @@ class PerExampleModel(_TrainStep, keras.Model):
     def _check_batch(self, x, y):
         """Checks the batch; returns ``x``, on TF made to depend on the run-time check."""
         # The loss's per-example checks, as `per_example_gradients` makes them (once).
-        self._problem()._check_once(x, y)
+        self._problem().check_once(x, y)
         size = tree.flatten(x)[0].shape[0]
         minimum = self.aggregator.min_batch_size
         several = minimum > 1 and replicas.count(self) > 1  # the rule sees the whole batch

@@ -29,6 +29,7 @@ from pergrad.aggregators.base import (
     zero_non_finite_examples,
 )
 from pergrad.engine import chunked, statistics, streaming
+from pergrad.log import warn_once
 
 #: The paths ``engine_path`` chooses between.
 STATISTICS_PATH, CHUNKED_PATH, MATERIALIZED_PATH = "statistics", "chunked", "materialized"
@@ -101,13 +102,8 @@ def all_finite(gradients):
 
 def log_materialized(wrapper, reason: str) -> None:
     """Logs, once per model and reason, that ``path='auto'`` fell back to the materialized path."""
-    logged = wrapper.__dict__.setdefault("_logged_reasons", set())
-    if reason not in logged:
-        logged.add(reason)
-        statistics.LOGGER.warning(
-            "pergrad: model %r takes the materialized path (every per-example gradient): %s.",
-            wrapper.model.name, reason,
-        )
+    warn_once(wrapper, f"model {wrapper.model.name!r} takes the materialized path (every "
+                       f"per-example gradient): {reason}")
 
 
 class ReplicaPlan(NamedTuple):

@@ -41,6 +41,7 @@ from pergrad.aggregators.base import (
     zero_non_finite_examples,
 )
 from pergrad.backend import adapter
+from pergrad.tensors import example_rows
 
 
 def supports(aggregator) -> bool:
@@ -53,10 +54,6 @@ def supports(aggregator) -> bool:
     if not isinstance(aggregator, WeightedAggregator) or aggregator.kind != STATISTICS:
         return False
     return aggregator.in_protocol_form("aggregate")
-
-
-def _rows(gradients):
-    return [ops.reshape(g, (ops.shape(g)[0], -1)) for g in gradients]
 
 
 class _Chunks:
@@ -186,11 +183,11 @@ def aggregate(
             # Keras's loss scales the weights by the mask in place: each pass its own copy.
             inputs = {**inputs, "sample_weight": tree.map_structure(ops.copy, inputs["sample_weight"])}
         grads, aux = adapter().vectorized_grad(
-            problem._example_loss, trainable_values, inputs, shared, None
+            problem.example_loss, trainable_values, inputs, shared, None
         )
         if private:
             grads = zero_non_finite_examples(grads)
-        return _rows(grads), aux
+        return [example_rows(g) for g in grads], aux
 
     def accumulate(sums, rows, weights):
         return [
@@ -219,14 +216,12 @@ def aggregate(
     sums, out = chunks.loop(first_pass, zeros, record=True)
 
     partial = out["partial"]
-    # The whole batch's constants (docs/architecture.md, 'Per-example gradients'),
-    # the same for every example: B for a sum reduction, B / sum_j valid_j for
-    # masks (valid_i is in `partial`).
-    constant = ops.convert_to_tensor(1.0, "float32")
-    if "mask" in out:
-        constant = constant * ops.cast(batch_size, "float32") / ops.sum(partial)
-    if problem.sum_reduction:
-        constant = constant * ops.cast(batch_size, "float32")
+    # The whole batch's constant (docs/architecture.md, 'Per-example gradients'), the
+    # same for every example: B for a sum reduction, B / sum_j valid_j for masks
+    # (valid_i is in `partial`).
+    constant = problem.scale_constant(partial if "mask" in out else None, batch_size)
+    if constant is None:
+        constant = ops.convert_to_tensor(1.0, "float32")
     example_scale = partial * constant
     # Gradients were computed times the loss scale; callers get unscaled ones.
     gradient_constant = constant

@@ -12,7 +12,7 @@ from keras import ops
 
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
-from pergrad.engine.problem import _bounded_get, _map, _problem, check_model
+from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
 
 
 def _standalone_function(problem, microbatch_size):
@@ -36,7 +36,7 @@ def _standalone_function(problem, microbatch_size):
 
         return (trainable, non_trainable), adapter().compile(pure)
 
-    return _bounded_get(problem._functions, key, make)[1]
+    return bounded_get(problem.compiled_functions, key, make)[1]
 
 
 def per_example_gradients(
@@ -82,10 +82,10 @@ def per_example_gradients(
     """
     microbatch_size = check_microbatch_size(microbatch_size)
     check_model(model, training)  # the flags may have changed since the last call
-    problem = _problem(model, loss, training)
-    problem._check_once(x, y)
+    problem = cached_problem(model, loss, training)
+    problem.check_once(x, y)
     function = _standalone_function(problem, microbatch_size)
-    x, y, sample_weight = (_map(ops.convert_to_tensor, t) for t in (x, y, sample_weight))
+    x, y, sample_weight = (map_optional(ops.convert_to_tensor, t) for t in (x, y, sample_weight))
     grads, seeds = function(
         [v.value for v in model.trainable_variables],
         [v.value for v in model.non_trainable_variables],

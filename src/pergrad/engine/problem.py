@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -20,6 +21,7 @@ from keras import ops, tree
 
 from pergrad import compat, replicas
 from pergrad.backend import adapter
+from pergrad.tensors import scale_rows
 
 # Per-example RNG streams: example i draws from the seed state offset by
 # (i + 1) * this constant in the first seed component, so that examples never
@@ -38,17 +40,9 @@ def _flat_losses(loss):
     return [item for item in tree.flatten(loss) if item is not None]
 
 
-def _map(fn, structure):
+def map_optional(fn, structure):
     """``tree.map_structure`` that lets ``None`` (an absent argument) through."""
     return None if structure is None else tree.map_structure(fn, structure)
-
-
-def _scale_examples(gradient, scale):
-    """Multiplies example i's gradient by ``scale[i]`` (or by a scalar)."""
-    scale = ops.cast(scale, gradient.dtype)
-    if len(scale.shape) == 0:
-        return gradient * scale
-    return gradient * ops.reshape(scale, (-1,) + (1,) * (len(gradient.shape) - 1))
 
 
 def _reduction(loss) -> str | None:
@@ -221,8 +215,10 @@ class PerExampleProblem:
                 "used like the default) for every output."
             )
         self._checked = False
-        # Compiled standalone functions, keyed on what they read from the model.
-        self._functions = OrderedDict()
+        # Compiled standalone functions, keyed on what they read from the model (bounded_get).
+        self.compiled_functions = OrderedDict()
+        # The statistics path's dry-run plans where steps run eagerly (engine.plan.cached_plan).
+        self.plans = {}
 
     @property
     def seed_positions(self) -> list[int]:
@@ -243,15 +239,18 @@ class PerExampleProblem:
             y_pred = model(x, training=self.training)
         return y_pred, scope
 
-    def _example_loss(self, trainable_values, example, shared):
+    def example_loss(self, trainable_values, example, shared):
+        """``(L_i times shared['loss_scale'], aux)`` of the example whose rows (without the
+        batch axis) ``example`` holds; ``aux`` has its ``loss``, ``y_pred``, advanced
+        ``seeds``, and ``valid`` and ``mask`` for a masked output."""
         non_trainable = list(shared["non_trainable"])
         for position, state in zip(self.seed_positions, example.get("seeds", ())):
             non_trainable[position] = state
         x, y, sample_weight = (
-            _map(lambda t: ops.expand_dims(t, 0), example.get(key))
+            map_optional(lambda t: ops.expand_dims(t, 0), example.get(key))
             for key in ("x", "y", "sample_weight")
         )
-        loss, y_pred, masks, scope = self._loss(trainable_values, non_trainable, x, y, sample_weight)
+        loss, y_pred, masks, scope = self.batch_loss(trainable_values, non_trainable, x, y, sample_weight)
         scaled = loss if shared.get("loss_scale") is None else loss * shared["loss_scale"]
         aux = {
             "loss": loss,
@@ -264,10 +263,10 @@ class PerExampleProblem:
             aux["mask"] = ops.squeeze(masks[0], 0)
         return scaled, aux
 
-    def _loss(self, trainable_values, non_trainable, x, y, sample_weight):
+    def batch_loss(self, trainable_values, non_trainable, x, y, sample_weight):
         """The data loss of a batch as Keras reduces it: ``(loss, y_pred, masks, scope)``.
 
-        Called on one example by :meth:`_example_loss` (``L_i``); on the whole
+        Called on one example by :meth:`example_loss` (``L_i``); on the whole
         batch its value is ``mean_i L_i``. ``masks`` is empty or the one output's mask.
         """
         y_pred, scope = self._forward(trainable_values, non_trainable, x, collect_losses=True)
@@ -285,13 +284,13 @@ class PerExampleProblem:
             loss = adapter().unscale_loss(loss)
         return loss, y_pred, masks, scope
 
-    def _check_once(self, x, y):
+    def check_once(self, x, y):
         """The checks that need a forward pass, on the batch's first example, before any
         vectorized pass: what pergrad refuses is refused here, on every engine path."""
         if self._checked:
             return
         # Tensors, as Keras gives a loss: a NumPy target minus a torch tensor fails.
-        first = _map(lambda t: ops.convert_to_tensor(t)[:1], x)
+        first = map_optional(lambda t: ops.convert_to_tensor(t)[:1], x)
         # In training mode, as the per-example pass runs, in a scope of its own: nothing
         # the pass assigns (seed states) is kept, and torch's global generator, which
         # unseeded dropout draws from, is left where it was. The variables' current
@@ -305,7 +304,7 @@ class PerExampleProblem:
             adapter().set_random_state(random_state)
         _refuse_data_losses(scope)
         _masks(y_pred)
-        y_first = _map(lambda t: ops.convert_to_tensor(t)[:1], y)
+        y_first = map_optional(lambda t: ops.convert_to_tensor(t)[:1], y)
         flat_pred = tree.flatten(y_pred)
         flat_true = tree.flatten(y_first) if y_first is not None else []
         if len(self._user_losses) == 1 and len(flat_pred) == 1 and flat_true:
@@ -341,7 +340,7 @@ class PerExampleProblem:
             non_trainable_values, x, y, sample_weight, loss_scale
         )
         grads, aux = adapter().vectorized_grad(
-            self._example_loss,
+            self.example_loss,
             list(trainable_values),
             batched,
             {"non_trainable": non_trainable_values, "loss_scale": loss_scale},
@@ -355,7 +354,7 @@ class PerExampleProblem:
             inverse = 1.0 / ops.cast(loss_scale, "float32")
             grad_scale = inverse if grad_scale is None else grad_scale * inverse
         if grad_scale is not None:
-            grads = [_scale_examples(g, grad_scale) for g in grads]
+            grads = [scale_rows(g, grad_scale) for g in grads]
         aux["seeds"] = self.advanced_seeds(non_trainable_values, aux["seeds"])
         return grads, aux
 
@@ -367,14 +366,23 @@ class PerExampleProblem:
         valid_j`` for masks (``valid``: each example's unmasked steps). Constant in
         the parameters, so it scales the gradient as well.
         """
-        scale = None
-        if self.sum_reduction:
-            scale = ops.full((batch_size,), batch_size, dtype="float32")
+        if valid is None:
+            return ops.full((batch_size,), batch_size, dtype="float32") if self.sum_reduction else None
+        return ops.cast(valid, "float32") * self.scale_constant(valid, batch_size)
+
+    def scale_constant(self, valid, batch_size):
+        """``c_i / valid_i``, the same for every example (``c_i`` without masks), or ``None`` (1).
+
+        ``B / sum_j valid_j`` for masks, times ``B`` for a sum reduction. The chunked
+        path (``engine.chunked``) applies it once, after it has every example's ``valid``.
+        """
+        constant = None
         if valid is not None:
-            valid = ops.cast(valid, "float32")
-            masked = ops.cast(batch_size, "float32") * valid / ops.sum(valid)
-            scale = masked if scale is None else scale * masked
-        return scale
+            constant = ops.cast(batch_size, "float32") / ops.sum(ops.cast(valid, "float32"))
+        if self.sum_reduction:
+            size = ops.cast(batch_size, "float32")
+            constant = size if constant is None else constant * size
+        return constant
 
     def advanced_seeds(self, non_trainable_values, example_seeds):
         """The model's seed states after a vectorized pass that returned ``example_seeds``.
@@ -396,7 +404,7 @@ class PerExampleProblem:
         With ``padded_size``, the seed states are made for that many examples
         (the first ``B`` are those of the batch), for a caller that pads it.
         """
-        x, y = _map(ops.convert_to_tensor, x), _map(ops.convert_to_tensor, y)
+        x, y = map_optional(ops.convert_to_tensor, x), map_optional(ops.convert_to_tensor, y)
         batch_size = ops.shape(tree.flatten(x)[0])[0]
         batched = {"x": x}
         if y is not None:
@@ -405,7 +413,7 @@ class PerExampleProblem:
             # A copy: Keras multiplies the weights by the mask in place
             # (`sample_weight *= float_mask` in keras.losses.loss.apply_mask), which
             # on torch would write through to the caller's tensor.
-            batched["sample_weight"] = _map(
+            batched["sample_weight"] = map_optional(
                 lambda t: ops.copy(ops.cast(t, keras.backend.floatx())), sample_weight
             )
         non_trainable_values = list(non_trainable_values)
@@ -457,7 +465,7 @@ def _loss_key(loss):
 _CACHE_LOCK = threading.RLock()
 
 
-def _bounded_get(cache: OrderedDict, key, make):
+def bounded_get(cache: OrderedDict, key, make):
     """``cache[key]``, made by ``make()`` if absent; the least recently used entry goes.
 
     Under a lock: ``fit`` may run in several threads (tf.distribute's replicas, or
@@ -476,7 +484,26 @@ def _bounded_get(cache: OrderedDict, key, make):
     return value
 
 
-def _problem(model, loss, training) -> PerExampleProblem:
+class _CachedProblem(PerExampleProblem):
+    """A problem kept for its model in :data:`_PROBLEMS`: it holds the model weakly, so
+    that the cache, which lives as long as the model, does not keep the model alive."""
+
+    @property
+    def model(self):
+        return self._model()
+
+    @model.setter
+    def model(self, model):
+        self._model = weakref.ref(model)
+
+
+# The problems of the standalone functions (per_example_gradients, per_example_statistics)
+# for each model, keyed weakly: an entry goes with its model (read and written under
+# _CACHE_LOCK).
+_PROBLEMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cached_problem(model, loss, training) -> PerExampleProblem:
     """The problem for ``model`` under its current loss, made once per key.
 
     The key holds everything the problem derives from the user's objects: the
@@ -486,7 +513,10 @@ def _problem(model, loss, training) -> PerExampleProblem:
     What the user can change without a compile (``trainable`` flags, hence the
     variables and the seed positions) is derived on use instead.
     """
-    cache = model.__dict__.setdefault("_pergrad_problems", OrderedDict())
+    with _CACHE_LOCK:
+        cache = _PROBLEMS.get(model)
+        if cache is None:
+            cache = _PROBLEMS[model] = OrderedDict()
     if loss is None:
         compiled = compat.compiled_loss(model)
         owners = (compiled, getattr(model, "loss", None))
@@ -494,5 +524,5 @@ def _problem(model, loss, training) -> PerExampleProblem:
     else:
         owners = (loss,)
         key = ("loss", repr(_loss_key(loss)), training)
-    entry = _bounded_get(cache, key, lambda: (owners, PerExampleProblem(model, loss, training=training)))
+    entry = bounded_get(cache, key, lambda: (owners, _CachedProblem(model, loss, training=training)))
     return entry[1]

@@ -86,7 +86,7 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale
     )
     variables = problem.model.trainable_variables
-    layers, aux = statistics._layers(problem, trainable_values, batched, shared, batch_size, inverse)
+    layers, aux = statistics.layers_of(problem, trainable_values, batched, shared, batch_size, inverse)
     pieces = 1
     if microbatch_size is not None and final.coordinatewise and isinstance(batch_size, int):
         pieces = -(-batch_size // microbatch_size)
@@ -100,37 +100,36 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         if final.coordinatewise:  # a Dense kernel in one part per replica
             pieces = max(pieces, replicas.count())
     finite = []
-    with statistics._context(problem, trainable_values, non_trainable):
-        stats, rows, size = None, None, batch_size
-        if any(step.map_reads_statistics for step in steps):
-            norms, scale = layers.squared_norms(batch_size)
-            stats = ExampleStatistics(norms, scale=scale)
-            # Every example counts, also those a step drops or scales to zero: its gradient
-            # is finite if its norms are.
-            finite.append(ops.all(stats.finite))
-        for step in steps:
-            mapping = step.row_map(stats, size)
-            stats = None if stats is None else mapping.statistics(stats)
-            rows = mapping if rows is None else rows.then(mapping)
-            if mapping.order is not None:
-                size = mapping.order.shape[0] or ops.shape(mapping.order)[0]
-        flags, covered = layers.finite_from_layers()
-        finite.extend(flags)
-        parts = [[] for _ in variables]
-        for piece, (k, gradients) in enumerate(layers.mapped(rows, variables, size, pieces)):
-            dtype = variables[k].dtype
-            mine = replicas.owns(piece) if gathered else True
-            if mine is False:  # another replica's part
-                parts[k].append(ops.zeros(tuple(gradients.shape[1:]), dtype))
-                continue
-            if k not in covered:
-                finite.append(ops.all(ops.isfinite(gradients)))
-            value = ops.cast(final.aggregate_variable(replicas.spread_coordinates(gradients)), dtype)
-            if mine is not True:
-                value = ops.where(mine, value, ops.zeros_like(value))
-            parts[k].append(value)
-        result = [p[0] if len(p) == 1 else ops.concatenate(p, axis=0) for p in parts]
-    aux = statistics._finish_aux(problem, aux, non_trainable)
+    stats, rows, size = None, None, batch_size
+    if any(step.map_reads_statistics for step in steps):
+        norms, scale = layers.squared_norms(batch_size)
+        stats = ExampleStatistics(norms, scale=scale)
+        # Every example counts, also those a step drops or scales to zero: its gradient
+        # is finite if its norms are.
+        finite.append(ops.all(stats.finite))
+    for step in steps:
+        mapping = step.row_map(stats, size)
+        stats = None if stats is None else mapping.statistics(stats)
+        rows = mapping if rows is None else rows.then(mapping)
+        if mapping.order is not None:
+            size = mapping.order.shape[0] or ops.shape(mapping.order)[0]
+    flags, covered = layers.finite_from_layers()
+    finite.extend(flags)
+    parts = [[] for _ in variables]
+    for piece, (k, gradients) in enumerate(layers.mapped(rows, variables, size, pieces)):
+        dtype = variables[k].dtype
+        mine = replicas.owns(piece) if gathered else True
+        if mine is False:  # another replica's part
+            parts[k].append(ops.zeros(tuple(gradients.shape[1:]), dtype))
+            continue
+        if k not in covered:
+            finite.append(ops.all(ops.isfinite(gradients)))
+        value = ops.cast(final.aggregate_variable(replicas.spread_coordinates(gradients)), dtype)
+        if mine is not True:
+            value = ops.where(mine, value, ops.zeros_like(value))
+        parts[k].append(value)
+    result = [p[0] if len(p) == 1 else ops.concatenate(p, axis=0) for p in parts]
+    aux = statistics.finish_aux(problem, aux, non_trainable)
     aux["finite"] = ops.all(ops.stack(finite))
     if gathered:
         aux["finite"] = replicas.all_true(aux["finite"])

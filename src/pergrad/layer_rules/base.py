@@ -40,6 +40,7 @@ from keras import ops
 from pergrad import compat
 from pergrad.aggregators.base import row_scales
 from pergrad.backend import adapter
+from pergrad.tensors import example_rows, is_float, scale_rows
 
 _RULES: dict[type, LayerRule] = {}
 # Rules for classes named by their dotted path (a package pergrad does not import,
@@ -48,8 +49,13 @@ _NAMED_RULES: dict[str, type] = {}
 
 # Values of the model's other variables while the engine computes statistics:
 # a layer recomputed by :func:`per_example_vjp` may read them (a frozen moving
-# mean), and Keras's JAX step has emptied the variables themselves. Per thread:
-# models trained concurrently in threads each see their own.
+# mean), and Keras's JAX step has emptied the variables themselves. The engine
+# holds them explicitly (``engine.layers.Layers.context``) and makes them the
+# context only around its calls of a rule, on the calling thread; the rule
+# methods' signatures (the public protocol, a user's rule included) do not carry
+# them, so a rule reads them here, like the ``keras.StatelessScope`` it runs in
+# (which Keras keeps per thread too). Per thread: models trained concurrently in
+# threads (tf.distribute's replicas included) each see their own.
 _CONTEXT = threading.local()
 
 
@@ -146,10 +152,6 @@ def replaced_attribute(obj, name: str, value):
             del state[name]
 
 
-def _rows(tensor):
-    return ops.reshape(tensor, (ops.shape(tensor)[0], -1))
-
-
 class LayerRule:
     """How the statistics path handles the layers of one class."""
 
@@ -213,7 +215,8 @@ class LayerRule:
 
     def squared_norms(self, layer, values, inputs, delta) -> list:
         """``(B,)`` squared norms of example i's gradient, one per variable."""
-        return [ops.sum(ops.square(_rows(g)), axis=1) for g in self.per_example(layer, values, inputs, delta)]
+        grads = self.per_example(layer, values, inputs, delta)
+        return [ops.sum(ops.square(example_rows(g)), axis=1) for g in grads]
 
     def scaled_squared_norms(self, layer, values, inputs, delta):
         """``(norms, scales)``: :meth:`squared_norms` of example i's gradients divided by
@@ -231,14 +234,14 @@ class LayerRule:
 
     def gram(self, layer, values, inputs, delta):
         """``(B, B)``: ``<g_i, g_j>`` summed over the rule's variables."""
-        rows = [_rows(g) for g in self.per_example(layer, values, inputs, delta)]
+        rows = [example_rows(g) for g in self.per_example(layer, values, inputs, delta)]
         return sum(ops.matmul(r, ops.transpose(r)) for r in rows)
 
     def weighted_sum(self, layer, values, inputs, delta, weights) -> list:
         """``sum_i w_i g_i`` per variable; ``weights`` holds one ``(B,)`` tensor per variable."""
         out = []
         for g, w in zip(self.per_example(layer, values, inputs, delta), weights):
-            out.append(ops.reshape(ops.matmul(w[None, :], _rows(g))[0], ops.shape(g)[1:]))
+            out.append(ops.reshape(ops.matmul(w[None, :], example_rows(g))[0], ops.shape(g)[1:]))
         return out
 
     def mapped(self, layer, values, inputs, delta, rows, columns) -> list:
@@ -321,8 +324,7 @@ def slot_rows(tensor, rows, column=None):
     weights = None if column is None else rows.variable_weights(column)
     if weights is None:
         return tensor
-    flat = ops.cast(ops.reshape(weights, (-1,)), tensor.dtype)
-    return tensor * ops.reshape(flat, (-1,) + (1,) * (len(tensor.shape) - 1))
+    return scale_rows(tensor, ops.reshape(weights, (-1,)))
 
 
 def joined_slots(tensor, rows):
@@ -343,7 +345,7 @@ def factor_inner_products(first, second):
     """
     (left, right), (other_left, other_right) = first, second
     rights = ops.einsum("btq,bsq->bts", right, other_right)
-    ids, other_ids = not _is_float(left), not _is_float(other_left)
+    ids, other_ids = not is_float(left), not is_float(other_left)
     if ids and other_ids:
         lefts = ops.cast(ops.equal(left[:, :, None], other_left[:, None, :]), rights.dtype)
     elif ids or other_ids:
@@ -354,10 +356,6 @@ def factor_inner_products(first, second):
     else:
         lefts = ops.einsum("btp,bsp->bts", left, other_left)
     return ops.sum(lefts * rights, axis=(1, 2))
-
-
-def _is_float(tensor) -> bool:
-    return "float" in keras.backend.standardize_dtype(tensor.dtype)
 
 
 def divide_rows(tensor, scales):
@@ -418,7 +416,7 @@ class PreActivationRule(LayerRule):
         # Every variable but the bias has a gradient linear in the inputs too (the
         # kernel's is A_i^T D_i): divide both, the bias's norm scales with D's only.
         scale = row_scales(delta)
-        input_scale = row_scales(inputs) if "float" in str(inputs.dtype) else ops.ones_like(scale)
+        input_scale = row_scales(inputs) if is_float(inputs) else ops.ones_like(scale)
         norms = self.squared_norms(
             layer, values, divide_rows(inputs, input_scale), divide_rows(delta, scale)
         )

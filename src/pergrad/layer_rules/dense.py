@@ -47,7 +47,7 @@ def _flat(inputs, delta):
     return a, d
 
 
-def _positions(inputs) -> int | None:
+def sequence_positions(inputs) -> int | None:
     """``n``: the positions per example (the static product of the middle axes)."""
     middle = tuple(inputs.shape[1:-1])
     return math.prod(middle) if all(m is not None for m in middle) else None
@@ -103,7 +103,7 @@ def _bias_weighted_sum(delta, weights):
     return ops.sum(d * weights[:, None, None], axis=(0, 1))
 
 
-def _value(variable, variables, values):
+def variable_value(variable, variables, values):
     """The current value of ``variable``: one of the rule's (``values``), else the engine's."""
     for v, value in zip(variables, values or ()):
         if v is variable:
@@ -140,10 +140,10 @@ class DenseRule(PreActivationRule):
             elif part == "bias":
                 pieces.append((None, delta))
             elif part == "lora_kernel_a":
-                b = ops.cast(_value(layer.lora_kernel_b, variables, values), delta.dtype)
+                b = ops.cast(variable_value(layer.lora_kernel_b, variables, values), delta.dtype)
                 pieces.append((inputs, lora_scale(layer) * ops.matmul(delta, ops.transpose(b))))
             else:
-                a = ops.cast(_value(layer.lora_kernel_a, variables, values), inputs.dtype)
+                a = ops.cast(variable_value(layer.lora_kernel_a, variables, values), inputs.dtype)
                 pieces.append((lora_scale(layer) * ops.matmul(inputs, a), delta))
         return pieces
 
@@ -154,7 +154,7 @@ class DenseRule(PreActivationRule):
         d_in, d_out = inputs.shape[-1], delta.shape[-1]
         rank = getattr(layer, "lora_rank", None) if self._lora(layer) else None
         sizes = {"kernel": (d_in, d_out), "lora_kernel_a": (d_in, rank), "lora_kernel_b": (rank, d_out)}
-        return any(outer_materializes(_positions(inputs), *sizes[part])
+        return any(outer_materializes(sequence_positions(inputs), *sizes[part])
                    for part in self._parts(layer) if part in sizes)
 
     def per_example(self, layer, values, inputs, delta) -> list:
@@ -221,7 +221,7 @@ class DenseRule(PreActivationRule):
                 for a, d in self._pieces(layer, values, inputs, delta)]
 
     def gram(self, layer, values, inputs, delta):
-        if len(inputs.shape) != 2 and _positions(inputs) != 1:
+        if len(inputs.shape) != 2 and sequence_positions(inputs) != 1:
             return super().gram(layer, values, inputs, delta)
         total = 0.0
         for a, d in self._pieces(layer, values, inputs, delta):

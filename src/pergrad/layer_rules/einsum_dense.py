@@ -20,7 +20,7 @@ import keras
 from keras import ops
 
 from pergrad.layer_rules.base import LayerRule, PreActivationRule, reduce_to, register_rule
-from pergrad.layer_rules.dense import _value, lora_scale, outer_per_example
+from pergrad.layer_rules.dense import lora_scale, outer_per_example, variable_value
 
 
 def _specs(equation: str):
@@ -70,10 +70,10 @@ class EinsumDenseRule(PreActivationRule):
         grads = []
         for v in variables:
             if v is getattr(layer, "lora_kernel_a", None):
-                b = ops.cast(_value(layer.lora_kernel_b, variables, values), delta.dtype)
+                b = ops.cast(variable_value(layer.lora_kernel_b, variables, values), delta.dtype)
                 grads.append(kernel_gradient(lora_scale(layer) * ops.matmul(delta, ops.transpose(b))))
             elif v is getattr(layer, "lora_kernel_b", None):
-                a = ops.cast(_value(layer.lora_kernel_a, variables, values), inputs.dtype)
+                a = ops.cast(variable_value(layer.lora_kernel_a, variables, values), inputs.dtype)
                 projected = lora_scale(layer) * ops.einsum(layer.equation, inputs, a)
                 batch = ops.shape(delta)[0]
                 grads.append(outer_per_example(

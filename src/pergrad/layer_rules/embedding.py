@@ -34,11 +34,11 @@ from pergrad.layer_rules.base import (
     slot_rows,
 )
 from pergrad.layer_rules.dense import (
-    _positions,
     outer_materializes,
     outer_per_example,
     outer_squared_norms,
     outer_weighted_sum,
+    sequence_positions,
 )
 
 
@@ -149,7 +149,7 @@ if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras >= 3.13; keras-hub's s
         def materializes(self, layer, inputs, delta) -> bool:
             if not _reverse(inputs, delta):
                 return super().materializes(layer, inputs, delta)
-            return outer_materializes(_positions(inputs), inputs.shape[-1], delta.shape[-1])
+            return outer_materializes(sequence_positions(inputs), inputs.shape[-1], delta.shape[-1])
 
         def per_example(self, layer, values, inputs, delta) -> list:
             if not _reverse(inputs, delta):
@@ -186,7 +186,7 @@ if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras >= 3.13; keras-hub's s
         def gram(self, layer, values, inputs, delta):
             if not _reverse(inputs, delta):
                 return super().gram(layer, values, inputs, delta)
-            if _positions(inputs) != 1:
+            if sequence_positions(inputs) != 1:
                 return LayerRule.gram(self, layer, values, inputs, delta)
             batch = ops.shape(delta)[0]
             h, d = ops.reshape(inputs, (batch, -1)), ops.reshape(delta, (batch, -1))

@@ -1,0 +1,31 @@
+"""Small tensor helpers that the engine, the layer rules and the aggregators share.
+
+Backend-neutral (``keras.ops``); this module imports nothing else of pergrad.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+
+def is_float(value) -> bool:
+    """Whether ``value`` is a tensor (it has a shape and a dtype) of a floating-point dtype."""
+    if isinstance(value, (bool, int, float, complex)) or not hasattr(value, "dtype"):
+        return False
+    return hasattr(value, "shape") and "float" in keras.backend.standardize_dtype(value.dtype)
+
+
+def example_rows(tensor, dtype=None):
+    """``(B, ...) -> (B, size)``: example i's entries as row i (cast to ``dtype`` when given)."""
+    if dtype is not None:
+        tensor = ops.cast(tensor, dtype)
+    return ops.reshape(tensor, (ops.shape(tensor)[0], -1))
+
+
+def scale_rows(tensor, scale):
+    """Example i's rows of ``tensor`` (batch first) times ``scale[i]`` (``(B,)``), or times a scalar."""
+    scale = ops.cast(scale, tensor.dtype)
+    if len(scale.shape) == 0:
+        return tensor * scale
+    return tensor * ops.reshape(scale, (-1,) + (1,) * (len(tensor.shape) - 1))
