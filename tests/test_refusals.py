@@ -111,7 +111,12 @@ def test_refusal_in_a_later_step_keeps_what_the_steps_before_learned():
     wrapper = pergrad.PerExampleModel(model, NeedsThree())
     wrapper.compile(optimizer="sgd", loss="mse")
     start = model.get_weights()
-    with pytest.raises(Exception, match="needs batches of at least 3 examples"):
+    error = ValueError
+    if BACKEND == "tensorflow":  # TF retraces the step with an unknown batch size: checked at run time
+        import tensorflow as tf
+
+        error = tf.errors.InvalidArgumentError
+    with pytest.raises(error, match="needs batches of at least 3 examples; got a batch of (1|fewer)"):
         wrapper.fit(x, y, batch_size=3, epochs=1, verbose=0, shuffle=False)
     after = model.get_weights()
     model.set_weights(start)  # the two steps again, by themselves

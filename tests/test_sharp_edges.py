@@ -128,10 +128,16 @@ def _booleans(grads):
     return [ops.mean(g, axis=0) > 0 for g in grads]
 
 
+class ReturnsATensor(pergrad.aggregators.Aggregator):
+    def aggregate(self, gradients):
+        return ops.mean(gradients[0], axis=0)
+
+
+ONE_TENSOR = (r"must return a list with one tensor per trainable variable \(4 float tensors, of shapes "
+              r"\(5, 4\), \(4,\), \(4, 3\), \(3,\).*got a float32 tensor of shape \(5, 4\)")
 RESULTS = {
-    "one_tensor": (_one_tensor, r"must return a list with one tensor per trainable variable "
-                   r"\(4 float tensors, of shapes \(5, 4\), \(4,\), \(4, 3\), \(3,\).*got a float32 "
-                   r"tensor of shape \(5, 4\)"),
+    "one_tensor": (_one_tensor, ONE_TENSOR),
+    "subclass_one_tensor": (ReturnsATensor(), ONE_TENSOR),
     "dict": (_a_dict, r"must return a list .*; got a dict with keys \['kernel'\]"),
     "python_floats": (_python_floats, r"returned a Python float \(0.0\) for variable #0 .*of shape "
                       r"\(5, 4\); expected a float tensor"),
@@ -167,7 +173,7 @@ def test_aggregator_subclass_returning_integers_names_the_variable():
         _fit(problem.model, ReturnsIntegers(), problem.x, problem.y)
 
 
-@pytest.mark.parametrize("size", [3.5, "4", True, 0, -1, 2.0])
+@pytest.mark.parametrize("size", [3.5, "4", True, 0, -1, -2, 2.0])
 def test_microbatch_size_must_be_a_positive_int(size):
     """3.5 was accepted on TF (and a TypeError on JAX), "4" a TypeError, True taken as 1."""
     problem = problems.dense_mlp(batch=6)

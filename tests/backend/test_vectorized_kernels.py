@@ -26,7 +26,7 @@ import pergrad
 import problems
 from conftest import BACKEND
 
-TESTS = pathlib.Path(__file__).resolve().parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]  # tests/, where oracle.py and problems.py lie
 SOURCE = TESTS.parent / "src"
 
 tensorflow_only = pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's oneDNN kernels")

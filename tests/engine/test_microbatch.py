@@ -4,7 +4,7 @@ The chunked path (``pergrad.engine.chunked``) must give what the unchunked one g
 aggregate of the whole batch's per-example gradients, with the whole batch's
 normalization (sum reduction, masks), its dropout seeds and its aux outputs.
 
-Run once per backend: ``KERAS_BACKEND=torch pytest tests/test_microbatch.py``.
+Run once per backend: ``KERAS_BACKEND=torch pytest tests/engine/test_microbatch.py``.
 """
 
 from __future__ import annotations

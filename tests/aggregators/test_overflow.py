@@ -6,7 +6,7 @@ this one too: clipping scales it to norm C (it used to get factor 0 and vanish, 
 the update NaN), Krum and the norm filter keep it out, the geometric median gives it no
 weight. References in float64 (NumPy), on every engine path.
 
-Run once per backend: ``KERAS_BACKEND=jax pytest tests/test_overflow.py``.
+Run once per backend: ``KERAS_BACKEND=jax pytest tests/aggregators/test_overflow.py``.
 """
 
 from __future__ import annotations

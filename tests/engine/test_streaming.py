@@ -13,12 +13,12 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+import test_statistics_path as layer_models
 from keras import ops
 
 import oracle
 import pergrad
 import problems
-import test_statistics_path as layer_models
 from pergrad.aggregators import (
     bucketing,
     centered_clip,

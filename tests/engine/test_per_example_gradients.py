@@ -1,6 +1,6 @@
 """``pergrad.per_example_gradients`` against the batch-of-one oracle, on every problem.
 
-Run once per backend: ``KERAS_BACKEND=jax pytest tests/test_per_example_gradients.py``.
+Run once per backend: ``KERAS_BACKEND=jax pytest tests/engine/test_per_example_gradients.py``.
 """
 
 from __future__ import annotations
