@@ -20,7 +20,7 @@ demo: install
 
 # The Keras backend is fixed at import: one pytest process per backend. TensorFlow
 # runs with its own defaults (oneDNN on, on x86): pergrad's vectorized pass avoids the
-# products its matmul corrupts (README, Limitations), and tests/test_vectorized_kernels.py
+# products its matmul corrupts (README, Limitations), and tests/backend/test_vectorized_kernels.py
 # forces oneDNN on in a process of its own.
 test: install
 	$(BIN)/ruff check src tests benchmarks

@@ -1,6 +1,6 @@
 """The engine's caches are pergrad's own objects: nothing in the user's model, nothing kept alive.
 
-Run once per backend: ``KERAS_BACKEND=torch pytest tests/test_engine_caches.py``.
+Run once per backend: ``KERAS_BACKEND=torch pytest tests/engine/test_engine_caches.py``.
 """
 
 from __future__ import annotations
