@@ -189,7 +189,7 @@ def test_the_engine_and_the_replicas_ask_rules_instead_of_importing_them():
         for name in asking
     }
     assert concrete == {name: [] for name in asking}
-    assert graph["pergrad.replicas"] <= {"pergrad.backend"}  # the collectives, under the step
+    assert graph["pergrad.replicas"] <= {"pergrad.backend", "pergrad.tensors"}  # under the step
 
 
 def test_rules_leave_every_collective_to_the_distributed_layer():

@@ -28,6 +28,7 @@ import keras
 from keras import ops
 
 from pergrad.backend import adapter
+from pergrad.tensors import all_finite
 
 
 def count(model=None) -> int:
@@ -48,7 +49,7 @@ def finite_everywhere(gradients):
     replica 0's gradients before they are all-reduced: a float16 overflow on
     another replica would be applied, and the weights become NaN.
     """
-    finite = all_true(ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in gradients])))
+    finite = all_true(all_finite(gradients))
     return [ops.where(finite, g, ops.cast(float("nan"), g.dtype)) for g in gradients]
 
 

@@ -30,6 +30,7 @@ from pergrad.aggregators.base import (
 )
 from pergrad.engine import chunked, statistics, streaming
 from pergrad.log import warn_once
+from pergrad.tensors import all_finite
 
 #: The paths ``engine_path`` chooses between.
 STATISTICS_PATH, CHUNKED_PATH, MATERIALIZED_PATH = "statistics", "chunked", "materialized"
@@ -93,11 +94,6 @@ def loss_scale(optimizer, variables):
             optimizer.build(variables)
         return optimizer.dynamic_scale
     return None
-
-
-def all_finite(gradients):
-    """A scalar boolean: every entry of every tensor in ``gradients`` is finite."""
-    return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in gradients]))
 
 
 def log_materialized(wrapper, reason: str) -> None:

@@ -23,9 +23,19 @@ def example_rows(tensor, dtype=None):
     return ops.reshape(tensor, (ops.shape(tensor)[0], -1))
 
 
+def row_column(values, like):
+    """``(N,)`` values shaped to broadcast over the rows of ``like`` (``(N, ...)``)."""
+    return ops.reshape(values, (-1,) + (1,) * (len(like.shape) - 1))
+
+
+def all_finite(tensors):
+    """A scalar boolean: every entry of every tensor in ``tensors`` is finite."""
+    return ops.all(ops.stack([ops.all(ops.isfinite(t)) for t in tensors]))
+
+
 def scale_rows(tensor, scale):
     """Example i's rows of ``tensor`` (batch first) times ``scale[i]`` (``(B,)``), or times a scalar."""
     scale = ops.cast(scale, tensor.dtype)
     if len(scale.shape) == 0:
         return tensor * scale
-    return tensor * ops.reshape(scale, (-1,) + (1,) * (len(tensor.shape) - 1))
+    return tensor * row_column(scale, tensor)

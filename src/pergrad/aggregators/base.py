@@ -45,7 +45,6 @@ from pergrad.aggregators.batch import (
     batch_size_of,
     batch_sum,
     finite_examples,
-    is_float_tensor,
     scale_examples,
     static_batch_size,
     weighted_sum,
@@ -60,6 +59,7 @@ from pergrad.aggregators.statistics import (
     scaled_squared_norms_of_rows,
     squared_norms_of_rows,
 )
+from pergrad.tensors import is_float
 
 __all__ = [
     "ARBITRARY",
@@ -464,7 +464,7 @@ def check_structure(result, shapes: Sequence, names: Sequence, who: str, check_s
             f"expected {expected}."
         )
     for value, shape, name in zip(result, shapes, names):
-        if not is_float_tensor(value):
+        if not is_float(value):
             raise ValueError(
                 f"{who} returned {_describe(value)} for variable {name} of shape {shape}; "
                 "expected a float tensor of that shape (a gradient: cast integer or bool "

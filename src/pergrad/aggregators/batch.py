@@ -7,6 +7,8 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from pergrad.tensors import example_rows, is_float, row_column, scale_rows
+
 
 def batch_size_of(gradients) -> int:
     return ops.shape(gradients[0])[0]
@@ -15,16 +17,6 @@ def batch_size_of(gradients) -> int:
 def static_batch_size(gradients) -> int | None:
     size = gradients[0].shape[0]
     return int(size) if size is not None else None
-
-
-def flat_rows(values):
-    """``(B, ...) -> (B, n)``: each example's part of ``values`` as one row."""
-    return ops.reshape(values, (ops.shape(values)[0], -1))
-
-
-def per_row(values, like):
-    """``(N,)`` values shaped to broadcast over the rows of ``like`` (``(N, ...)``)."""
-    return ops.reshape(values, (-1,) + (1,) * (len(like.shape) - 1))
 
 
 def row_range(values, start, size):
@@ -41,7 +33,7 @@ def batch_sum(values):
     """
     if keras.backend.backend() != "jax":  # TensorFlow's reduction is the faster one (2x)
         return ops.sum(values, axis=0)
-    rows = flat_rows(values)
+    rows = example_rows(values)
     total = ops.matmul(ops.transpose(rows), ops.ones((ops.shape(values)[0],), rows.dtype))
     return ops.reshape(total, ops.shape(values)[1:])
 
@@ -52,7 +44,7 @@ def weighted_sum(gradients, weights) -> list:
     out = []
     for k, g in enumerate(gradients):
         w = weights if len(weights.shape) == 1 else weights[:, k]
-        out.append(ops.reshape(ops.matmul(ops.cast(w, g.dtype)[None, :], flat_rows(g))[0], g.shape[1:]))
+        out.append(ops.reshape(ops.matmul(ops.cast(w, g.dtype)[None, :], example_rows(g))[0], g.shape[1:]))
     return out
 
 
@@ -62,13 +54,13 @@ def scale_examples(gradients, scales) -> list:
     out = []
     for k, g in enumerate(gradients):
         s = scales if len(scales.shape) == 1 else scales[:, k]
-        out.append(g * per_row(ops.cast(s, g.dtype), g))
+        out.append(scale_rows(g, s))
     return out
 
 
 def finite_examples(gradients) -> object:
     """``(B,)`` booleans: whether example i's gradient is finite in every variable."""
-    rows = [flat_rows(g) for g in gradients]
+    rows = [example_rows(g) for g in gradients]
     return ops.all(ops.stack([ops.all(ops.isfinite(r), axis=1) for r in rows], axis=1), axis=1)
 
 
@@ -97,17 +89,10 @@ def zero_examples(keep, structure):
 
     def zeroed():
         def where(t):
-            if not is_float_tensor(t):
+            if not is_float(t):
                 return t
-            return ops.where(per_row(keep, t), t, ops.zeros_like(t))
+            return ops.where(row_column(keep, t), t, ops.zeros_like(t))
 
         return keras.tree.map_structure(where, structure)
 
     return ops.cond(ops.all(keep), lambda: structure, zeroed)
-
-
-def is_float_tensor(value) -> bool:
-    """Whether ``value`` is a tensor of a floating-point dtype (not a Python number)."""
-    if isinstance(value, (bool, int, float, complex)) or not hasattr(value, "dtype"):
-        return False
-    return hasattr(value, "shape") and "float" in keras.backend.standardize_dtype(value.dtype)

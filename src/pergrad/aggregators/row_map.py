@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from keras import ops
 
-from pergrad.aggregators.batch import per_row
 from pergrad.aggregators.statistics import ExampleStatistics
+from pergrad.tensors import scale_rows
 
 
 class RowMap:
@@ -92,10 +92,10 @@ class RowMap:
         if self.order is None:
             if weights is None:
                 return gradient
-            return gradient * per_row(ops.cast(weights[:, 0], gradient.dtype), gradient)
+            return scale_rows(gradient, weights[:, 0])
         rows = ops.take(gradient, ops.reshape(self.order, (-1,)), axis=0)
         if weights is not None:
-            rows = rows * per_row(ops.cast(ops.reshape(weights, (-1,)), rows.dtype), rows)
+            rows = scale_rows(rows, ops.reshape(weights, (-1,)))
         size = ops.shape(self.order)
         return ops.sum(ops.reshape(rows, (size[0], size[1]) + tuple(gradient.shape[1:])), axis=1)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from keras import ops
 
-from pergrad.aggregators.batch import flat_rows
+from pergrad.tensors import example_rows
 
 
 class ExampleStatistics:
@@ -100,7 +100,7 @@ class ExampleStatistics:
 
     @classmethod
     def from_gradients(cls, gradients, gram: bool = False) -> ExampleStatistics:
-        flat = [flat_rows(g) for g in gradients]
+        flat = [example_rows(g) for g in gradients]
         squared_norms, scale = squared_norms_of_rows(flat)
         gram_matrix = None
         if gram:
