@@ -4,7 +4,14 @@ import contextlib
 
 import jax
 
-from pergrad.backend._single_replica import all_gather, all_reduce_sum, replica_id, unscale_loss  # noqa: F401
+from pergrad.backend._single_replica import (  # noqa: F401
+    all_gather,
+    all_reduce_sum,
+    assert_at_least,
+    check_known_problems,
+    replica_id,
+    unscale_loss,
+)
 
 
 def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
@@ -16,18 +23,6 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
     if microbatch_size is None:
         return jax.vmap(single)(batched)
     return jax.lax.map(single, batched, batch_size=microbatch_size)
-
-
-def assert_at_least(value, minimum, message, guarded=None):
-    """Shapes are always known here (JAX retraces per shape, torch runs eagerly):
-    raises at once, before anything is computed, and returns ``guarded``."""
-    if int(value) < minimum:
-        raise ValueError(message)
-    return guarded
-
-
-def check_known_problems(layers):
-    """No known backend problem with any layer."""
 
 
 def no_grad(after=None):
@@ -60,8 +55,8 @@ def set_random_state(state):
 
 
 def vectorized_call(fn, batched, shared, layout_hints=True):
-    del layout_hints  # torch's concern
     """``fn(example, shared)`` for every example at once (``jax.vmap``)."""
+    del layout_hints  # torch's concern
     return jax.vmap(lambda example: fn(example, shared))(batched)
 
 

@@ -237,8 +237,8 @@ def set_random_state(state):
 
 
 def vectorized_call(fn, batched, shared, layout_hints=True):
-    del layout_hints  # torch's concern
     """``fn(example, shared)`` for every example at once (``tf.vectorized_map``)."""
+    del layout_hints  # torch's concern
     return _vectorized_map(lambda example: fn(example, shared), batched)
 
 

@@ -10,7 +10,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pergrad.backend import NotVectorizable
-from pergrad.backend._single_replica import all_gather, all_reduce_sum, replica_id, unscale_loss  # noqa: F401
+from pergrad.backend._single_replica import (  # noqa: F401
+    all_gather,
+    all_reduce_sum,
+    assert_at_least,
+    check_known_problems,
+    replica_id,
+    unscale_loss,
+)
 
 _LAYOUT_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
 
@@ -127,18 +134,6 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
     vectorized = torch.func.vmap(single, randomness="different", chunk_size=microbatch_size)
     with torch.enable_grad(), _vectorizing():
         return vectorized(batched)
-
-
-def assert_at_least(value, minimum, message, guarded=None):
-    """Shapes are always known here (JAX retraces per shape, torch runs eagerly):
-    raises at once, before anything is computed, and returns ``guarded``."""
-    if int(value) < minimum:
-        raise ValueError(message)
-    return guarded
-
-
-def check_known_problems(layers):
-    """No known backend problem with any layer."""
 
 
 def no_grad(after=None):
