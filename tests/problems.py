@@ -16,6 +16,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
+from keras import ops
 
 BATCH = 6  # examples per test batch (microbatch tests use a size that does not divide it)
 
@@ -708,5 +709,124 @@ PROBLEMS = {
 }
 
 
+# Layer coverage: the models on which every layer rule is checked against the
+# materialized path (engine/test_statistics_path.py, engine/test_streaming.py).
+
+class Scale(keras.layers.Layer):
+    """A layer without a rule: the fallback (a vjp of the layer alone)."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.w + ops.sin(x * self.w)
+
+
+class TiedOutput(keras.layers.Layer):
+    """Reads another layer's embedding table (tied input/output embeddings)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x):
+        return ops.matmul(x, ops.transpose(self.embedding.embeddings))
+
+
+def classifier(name, inputs, hidden, x, classes=3, sample_weight=True):
+    rng = np.random.default_rng(1)
+    outputs = keras.layers.Dense(classes)(hidden)
+    model = keras.Model(inputs, outputs, name=name)
+    y = rng.integers(0, classes, BATCH)
+    weights = rng.uniform(0.5, 2.0, BATCH).astype("float32") if sample_weight else None
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return Problem(name, model, x, y, loss, sample_weight=weights)
+
+
+def seeded_floats(*shape):
+    return np.random.default_rng(2).normal(size=shape).astype("float32")
+
+
+def seeded_ids(vocab, *shape):
+    return np.random.default_rng(3).integers(0, vocab, shape).astype("int32")
+
+
+def dense_sequence():
+    """Dense on (B, T, d): one layer takes the ghost formula (2T^2 <= d_in d_out), one materializes."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3, 4))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)  # 2*9 <= 32: ghost
+    hidden = keras.layers.Dense(2)(hidden)  # 2*9 > 16: materialized
+    return classifier("dense_sequence", inputs, keras.layers.Flatten()(hidden), seeded_floats(BATCH, 3, 4))
+
+
+def convolutions():
+    """Grouped, depthwise, separable and transposed convolutions; group and RMS normalization."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((7, 7, 4))
+    # TensorFlow cannot form per-example gradients of a grouped convolution on either
+    # path (pfor's while loop runs Conv2DBackpropFilter, which rejects groups on CPU;
+    # README, Limitations).
+    groups = 1 if keras.backend.backend() == "tensorflow" else 2
+    hidden = keras.layers.Conv2D(4, 3, groups=groups, activation="relu")(inputs)
+    hidden = keras.layers.DepthwiseConv2D(2)(hidden)
+    hidden = keras.layers.GroupNormalization(2)(hidden)
+    hidden = keras.layers.SeparableConv2D(3, 2, activation="tanh")(hidden)
+    hidden = keras.layers.Conv2DTranspose(2, 2)(hidden)
+    hidden = keras.layers.RMSNormalization()(hidden)
+    return classifier("convolutions", inputs, keras.layers.Flatten()(hidden), seeded_floats(BATCH, 7, 7, 4))
+
+
+def conv_sequence():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 2))
+    hidden = keras.layers.Conv1D(3, 2, padding="causal", activation="relu")(inputs)
+    hidden = keras.layers.SeparableConv1D(2, 2)(hidden)
+    hidden = keras.layers.Conv3D(2, 1)(keras.layers.Reshape((5, 2, 1, 1))(hidden))
+    return classifier("conv_sequence", inputs, keras.layers.Flatten()(hidden), seeded_floats(BATCH, 6, 2))
+
+
+def transformer():
+    """Embedding, MultiHeadAttention (EinsumDense), LayerNormalization, Dense on sequences."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,), dtype="int32")
+    # Two tables: T^2 = 25 > 9 forms the per-example table, 25 <= 40 takes token pairs.
+    hidden = keras.layers.Embedding(9, 4)(inputs) + keras.layers.Embedding(40, 4)(inputs)
+    attended = keras.layers.MultiHeadAttention(2, 2)(hidden, hidden)
+    hidden = keras.layers.LayerNormalization()(hidden + attended)
+    hidden = keras.layers.Dense(6, activation="relu")(hidden)
+    hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+    return classifier("transformer", inputs, hidden, seeded_ids(9, BATCH, 5))
+
+
+def shared_and_fallback():
+    """A Dense layer called twice, a layer without a rule, a table read by two keras.layers."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,), dtype="int32")
+    embedding = keras.layers.Embedding(6, 3)
+    hidden = keras.layers.GlobalAveragePooling1D()(embedding(inputs))
+    twice = keras.layers.Dense(3, activation="tanh")
+    hidden = twice(Scale()(twice(hidden)))
+    logits = TiedOutput(embedding)(hidden)  #  (BATCH, 6): the table again
+    model = keras.Model(inputs, logits, name="shared_and_fallback")
+    rng = np.random.default_rng(1)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return Problem(
+        "shared_and_fallback", model, seeded_ids(6, BATCH, 4), rng.integers(0, 6, BATCH), loss,
+        sample_weight=rng.uniform(0.5, 2.0, BATCH).astype("float32"),
+    )
+
+
+LAYER_COVERAGE = {
+    factory.__name__: factory
+    for factory in (dense_sequence, convolutions, conv_sequence, transformer, shared_and_fallback)
+}
+# gru: a recurrent layer is planned as one call (its cell runs in a graph loop).
+LAYER_RULE_PROBLEMS = sorted(LAYER_COVERAGE) + [
+    "dense_mlp", "conv1d", "embedding", "layer_norm", "gru", "multi_output", "masked_dense",
+    "sequence_output", "subclassed", "constant_inputs", "lora", "reversible_embedding",
+] + [pytest.param(name, marks=needs_keras_hub) for name in KERAS_HUB_PROBLEMS]
+
+
 def make(name: str, **kwargs) -> Problem:
-    return {**PROBLEMS, **KERAS_HUB_PROBLEMS, **KERAS_HUB_MODELS}[name](**kwargs)
+    return {**PROBLEMS, **LAYER_COVERAGE, **KERAS_HUB_PROBLEMS, **KERAS_HUB_MODELS}[name](**kwargs)

@@ -37,123 +37,11 @@ B = problems.BATCH
 RTOL, ATOL = 1e-5, 1e-5
 
 
-class Scale(layers.Layer):
-    """A layer without a rule: the fallback (a vjp of the layer alone)."""
-
-    def build(self, shape):
-        self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
-
-    def call(self, x):
-        return x * self.w + ops.sin(x * self.w)
-
-
-class TiedOutput(layers.Layer):
-    """Reads another layer's embedding table (tied input/output embeddings)."""
-
-    def __init__(self, embedding, **kwargs):
-        super().__init__(**kwargs)
-        self.embedding = embedding
-
-    def call(self, x):
-        return ops.matmul(x, ops.transpose(self.embedding.embeddings))
-
-
-def _classifier(name, inputs, hidden, x, classes=3, sample_weight=True):
-    rng = np.random.default_rng(1)
-    outputs = layers.Dense(classes)(hidden)
-    model = keras.Model(inputs, outputs, name=name)
-    y = rng.integers(0, classes, B)
-    weights = rng.uniform(0.5, 2.0, B).astype("float32") if sample_weight else None
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return problems.Problem(name, model, x, y, loss, sample_weight=weights)
-
-
-def _floats(*shape):
-    return np.random.default_rng(2).normal(size=shape).astype("float32")
-
-
-def _ids(vocab, *shape):
-    return np.random.default_rng(3).integers(0, vocab, shape).astype("int32")
-
-
-def dense_sequence():
-    """Dense on (B, T, d): one layer takes the ghost formula (2T^2 <= d_in d_out), one materializes."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((3, 4))
-    hidden = layers.Dense(8, activation="relu")(inputs)  # 2*9 <= 32: ghost
-    hidden = layers.Dense(2)(hidden)  # 2*9 > 16: materialized
-    return _classifier("dense_sequence", inputs, layers.Flatten()(hidden), _floats(B, 3, 4))
-
-
-def convolutions():
-    """Grouped, depthwise, separable and transposed convolutions; group and RMS normalization."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((7, 7, 4))
-    # TensorFlow cannot form per-example gradients of a grouped convolution on either
-    # path (pfor's while loop runs Conv2DBackpropFilter, which rejects groups on CPU;
-    # README, Limitations).
-    groups = 1 if keras.backend.backend() == "tensorflow" else 2
-    hidden = layers.Conv2D(4, 3, groups=groups, activation="relu")(inputs)
-    hidden = layers.DepthwiseConv2D(2)(hidden)
-    hidden = layers.GroupNormalization(2)(hidden)
-    hidden = layers.SeparableConv2D(3, 2, activation="tanh")(hidden)
-    hidden = layers.Conv2DTranspose(2, 2)(hidden)
-    hidden = layers.RMSNormalization()(hidden)
-    return _classifier("convolutions", inputs, layers.Flatten()(hidden), _floats(B, 7, 7, 4))
-
-
-def conv_sequence():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((6, 2))
-    hidden = layers.Conv1D(3, 2, padding="causal", activation="relu")(inputs)
-    hidden = layers.SeparableConv1D(2, 2)(hidden)
-    hidden = layers.Conv3D(2, 1)(layers.Reshape((5, 2, 1, 1))(hidden))
-    return _classifier("conv_sequence", inputs, layers.Flatten()(hidden), _floats(B, 6, 2))
-
-
-def transformer():
-    """Embedding, MultiHeadAttention (EinsumDense), LayerNormalization, Dense on sequences."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((5,), dtype="int32")
-    # Two tables: T^2 = 25 > 9 forms the per-example table, 25 <= 40 takes token pairs.
-    hidden = layers.Embedding(9, 4)(inputs) + layers.Embedding(40, 4)(inputs)
-    attended = layers.MultiHeadAttention(2, 2)(hidden, hidden)
-    hidden = layers.LayerNormalization()(hidden + attended)
-    hidden = layers.Dense(6, activation="relu")(hidden)
-    hidden = layers.GlobalAveragePooling1D()(hidden)
-    return _classifier("transformer", inputs, hidden, _ids(9, B, 5))
-
-
-def shared_and_fallback():
-    """A Dense layer called twice, a layer without a rule, a table read by two layers."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,), dtype="int32")
-    embedding = layers.Embedding(6, 3)
-    hidden = layers.GlobalAveragePooling1D()(embedding(inputs))
-    twice = layers.Dense(3, activation="tanh")
-    hidden = twice(Scale()(twice(hidden)))
-    logits = TiedOutput(embedding)(hidden)  # (B, 6): the table again
-    model = keras.Model(inputs, logits, name="shared_and_fallback")
-    rng = np.random.default_rng(1)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return problems.Problem(
-        "shared_and_fallback", model, _ids(6, B, 4), rng.integers(0, 6, B), loss,
-        sample_weight=rng.uniform(0.5, 2.0, B).astype("float32"),
-    )
-
-
-LOCAL = {f.__name__: f
-         for f in (dense_sequence, convolutions, conv_sequence, transformer, shared_and_fallback)}
-# gru: a recurrent layer is planned as one call (its cell runs in a graph loop).
-NAMES = sorted(LOCAL) + ["dense_mlp", "conv1d", "embedding", "layer_norm", "gru", "multi_output",
-                          "masked_dense", "sequence_output", "subclassed", "constant_inputs", "lora",
-                          "reversible_embedding"] + [
-    pytest.param(name, marks=problems.needs_keras_hub) for name in problems.KERAS_HUB_PROBLEMS
-]
+NAMES = problems.LAYER_RULE_PROBLEMS
 
 
 def _problem(name):
-    problem = LOCAL[name]() if name in LOCAL else problems.make(name)
+    problem = problems.make(name)
     problem.compile()
     return problem
 
@@ -207,7 +95,7 @@ def test_norms_gram_and_weighted_sums_match_the_materialized_path(name, caplog):
                                       [oracle.to_numpy(r) for r in reference], rtol=RTOL, atol=ATOL)
 
 
-class RegisteredScale(Scale):
+class RegisteredScale(problems.Scale):
     pass
 
 
@@ -227,7 +115,8 @@ def test_layers_without_a_rule_are_logged_once_and_a_registered_rule_replaces_th
     keras.utils.set_random_seed(0)
     inputs = keras.Input((3,))
     layer = RegisteredScale()
-    problem = _classifier("registered", inputs, layer(layers.Dense(3)(inputs)), _floats(B, 3))
+    hidden = layer(layers.Dense(3)(inputs))
+    problem = problems.classifier("registered", inputs, hidden, problems.seeded_floats(B, 3))
     problem.compile()
     assert pergrad.layer_rules.rule_for(layer).__class__ is RegisteredScaleRule
     with caplog.at_level(logging.WARNING, logger="pergrad"):
@@ -280,7 +169,7 @@ def _refuse(*args, **kwargs):
 def test_a_transformer_trains_with_clipping_as_on_the_materialized_path():
     results = []
     for path in ("materialized", "auto"):
-        problem = transformer()
+        problem = problems.transformer()
         wrapper = pergrad.PerExampleModel(problem.model, clip(0.1), path=path)
         problem.compile(wrapper, optimizer=keras.optimizers.SGD(0.3))
         wrapper.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=B,
@@ -307,7 +196,7 @@ def test_the_path_can_be_forced_and_a_model_the_statistics_path_cannot_train_is_
                                path="statistics")
     with pytest.raises(ValueError, match="path must be one of"):
         pergrad.PerExampleModel(problems.make("dense_mlp").model, "mean", path="fast")
-    x, y = _floats(B, 3), _floats(B, 2)
+    x, y = problems.seeded_floats(B, 3), problems.seeded_floats(B, 2)
     for path in ("statistics", "auto"):
         model = WithOwnWeight()
         model(x)
@@ -361,7 +250,7 @@ class BuiltPositions(layers.Layer):
         return x + self.embedding(self.ids)
 
 
-class Scale(layers.Layer):
+class LinearScale(layers.Layer):
     """A layer with a weight and no rule: its call is vectorized (the fallback)."""
 
     def build(self, shape):
@@ -376,7 +265,7 @@ def test_inputs_made_in_build_on_the_vectorized_forward_pass():
     raised "Tensor.op is undefined when eager execution is enabled" for them."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((3, 4))
-    hidden = BuiltPositions()(Scale()(layers.Dense(4)(inputs)))
+    hidden = BuiltPositions()(LinearScale()(layers.Dense(4)(inputs)))
     model = keras.Model(inputs, layers.Dense(2)(layers.Flatten()(hidden)))
     model.compile(loss="mse")
     rng = np.random.default_rng(0)
@@ -397,9 +286,9 @@ def test_a_tied_table_whose_squared_norm_overflows_has_its_norm():
     logits = table(layers.Multiply()([table(ids), scale]), reverse=True)
     model = keras.Model([ids, scale], logits)
     model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x = [_ids(11, B, 5), np.ones((B, 1, 1), "float32")]
+    x = [problems.seeded_ids(11, B, 5), np.ones((B, 1, 1), "float32")]
     x[1][2] = 1e21
-    y = _ids(11, B, 5)[::-1].copy()
+    y = problems.seeded_ids(11, B, 5)[::-1].copy()
     with pytest.MonkeyPatch.context() as patch:  # the norms come from the factors, not the table
         patch.setattr(pergrad.layer_rules.embedding.ReversibleEmbeddingRule, "per_example", _refuse)
         stats = pergrad.per_example_statistics(model, x, y)

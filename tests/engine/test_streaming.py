@@ -13,7 +13,6 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import test_statistics_path as layer_models
 from keras import ops
 
 import oracle
@@ -91,14 +90,16 @@ def test_every_coordinate_rule_trains_as_on_the_materialized_path(rule, monkeypa
     assert moved > 1e-3  # the rule trained the model
 
 
-@pytest.mark.parametrize("name", layer_models.NAMES)
+@pytest.mark.parametrize("name", problems.LAYER_RULE_PROBLEMS)
 def test_every_layer_rule_streams_the_materialized_result(name):
     """Each layer rule's ``mapped`` (Dense, Embedding: the map applied to A and D) or the
     default (per-example gradients, then the map), and the fallback, on 14 models."""
-    problem = layer_models._problem(name)
+    problem = problems.make(name)
+    problem.compile()
     model = problem.model
     engine = PerExampleProblem(model, training=True)
-    trainable, states = layer_models._values(model)
+    trainable = [v.value for v in model.trainable_variables]
+    states = [v.value for v in model.non_trainable_variables]
     grads = [ops.convert_to_tensor(g) for g in pergrad.per_example_gradients(
         model, problem.x, problem.y, problem.sample_weight)]
     rules = (median, lambda: chain(clip(0.05, per_layer=True), bucketing(2, seed=1), median()))
@@ -115,7 +116,7 @@ def test_masked_outputs_and_a_custom_layer_stream_through_fit(monkeypatch):
     for name in ("masked_dense", "shared_and_fallback"):
         results = []
         for path in ("materialized", "statistics"):
-            problem = layer_models._problem(name) if name in layer_models.LOCAL else problems.make(name)
+            problem = problems.make(name)
             wrapper, _ = _fit(problem, chain(clip(0.5), bucketing(2, seed=2), median()), path, monkeypatch)
             results.append(wrapper.model)
         oracle.assert_weights_close(results[1], results[0], atol=1e-5, rtol=1e-5)
