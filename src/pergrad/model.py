@@ -103,7 +103,7 @@ class PerExampleModel(_TrainStep, keras.Model):
 
     def build(self, input_shape=None):
         if not self.model.built:
-            self.model.build(input_shape)
+            self.model.build(step.split_units(input_shape)[0])
         if not self.aggregator.built:
             shapes = [(None,) + tuple(v.shape) for v in self.model.trainable_variables]
             self.aggregator.build(shapes)
@@ -194,11 +194,13 @@ class PerExampleModel(_TrainStep, keras.Model):
                 "PerExampleModel after changing which layers are trainable."
             )
 
+    # A batch of pergrad.privacy.UserSampler carries user ids beside the inputs: the
+    # wrapped model never sees them (pergrad.step.split_units).
     def call(self, inputs, training=None):
-        return self.model(inputs, training=training)
+        return self.model(step.split_units(inputs)[0], training=training)
 
     def compute_output_spec(self, inputs, training=None):
-        return self.model.compute_output_spec(inputs)
+        return self.model.compute_output_spec(step.split_units(inputs)[0])
 
     def get_config(self):
         config = super().get_config()
@@ -261,10 +263,12 @@ class PerExampleModel(_TrainStep, keras.Model):
             self.__dict__["_problem_cache"] = (compile_loss, problem)
         return self.__dict__["_problem_cache"][1]
 
-    def _aggregated_gradients(self, trainable_values, non_trainable_values, x, y, sample_weight):
-        """Returns ``(gradients, y_pred, new_seed_states)`` for one batch (``pergrad.step``)."""
+    def _aggregated_gradients(self, trainable_values, non_trainable_values, x, y, sample_weight,
+                              units=None):
+        """Returns ``(gradients, y_pred, new_seed_states)`` for one batch (``pergrad.step``);
+        ``units``: each example's user id, for a user-level rule."""
         return step.aggregated_gradients(
-            self, trainable_values, non_trainable_values, x, y, sample_weight
+            self, trainable_values, non_trainable_values, x, y, sample_weight, units
         )
 
     def _check_batch(self, x, y):

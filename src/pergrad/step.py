@@ -35,6 +35,39 @@ from pergrad.tensors import all_finite
 #: The paths ``engine_path`` chooses between.
 STATISTICS_PATH, CHUNKED_PATH, MATERIALIZED_PATH = "statistics", "chunked", "materialized"
 
+#: The keys of a batch's ``x`` that carries each example's privacy unit (its user):
+#: ``{UNIT_INPUTS: inputs, UNIT_IDS: (B,) integer ids}`` (``pergrad.privacy.UserSampler``
+#: yields it). The train step takes the ids out before anything reads ``x``
+#: (:func:`split_units`): the network sees ``inputs`` only.
+UNIT_INPUTS, UNIT_IDS = "pergrad_inputs", "pergrad_units"
+
+
+def split_units(x):
+    """``(inputs, ids)`` of a batch's ``x`` that carries unit ids (:data:`UNIT_IDS`), else
+    ``(x, None)``."""
+    if isinstance(x, dict) and set(x) == {UNIT_INPUTS, UNIT_IDS}:
+        return x[UNIT_INPUTS], x[UNIT_IDS]
+    return x, None
+
+
+def check_units(aggregator, units) -> None:
+    """Raises unless the batch carries unit ids exactly when the rule reads them
+    (:attr:`~pergrad.aggregators.Aggregator.reads_units`)."""
+    name = f"{aggregator.name!r} ({type(aggregator).__name__})"
+    if aggregator.reads_units and units is None:
+        raise ValueError(
+            f"Aggregator {name} clips each user's summed gradient and needs the user id of "
+            "every example: train on pergrad.privacy.UserSampler(x, y, users=ids, ...), or "
+            f"pass x as {{{UNIT_INPUTS!r}: x, {UNIT_IDS!r}: ids}}."
+        )
+    if units is not None and not aggregator.reads_units:
+        raise ValueError(
+            f"The batch carries user ids ({UNIT_IDS!r}, e.g. from pergrad.privacy.UserSampler) "
+            f"but aggregator {name} does not read them: it would bound each example's "
+            "influence, not each user's. Use pergrad.privacy.user_level_dp_gaussian, or "
+            "pergrad.privacy.PoissonSampler for example-level DP."
+        )
+
 
 def engine_path(aggregator, path: str, microbatch_size: int | None) -> str:
     """The engine path a step tries first, given ``PerExampleModel``'s settings.
@@ -68,6 +101,11 @@ def replica_refusal(wrapper) -> str | None:
     if keras.backend.backend() != "tensorflow":
         return "replicas that each run the train step are supported on TensorFlow only"
     aggregator = wrapper.aggregator
+    if aggregator.reads_units:
+        return (
+            f"{type(aggregator).__name__} clips each user's summed gradient, and a "
+            "replica's shard may hold part of a user's examples"
+        )
     if aggregator.distribution == WHOLE_BATCH and (
         engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size) == CHUNKED_PATH
     ):
@@ -255,7 +293,8 @@ def post_process(wrapper, plan: ReplicaPlan, result, per_example, aux, trainable
     return result
 
 
-def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, sample_weight):
+def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, sample_weight,
+                         units=None):
     """Returns ``(gradients, y_pred, new_seed_states)`` for one batch.
 
     Pure in the variable values; the aggregator may assign its own state
@@ -269,14 +308,24 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
         x: the batch's inputs.
         y: its targets.
         sample_weight: its sample weights, or ``None``.
+        units: each example's unit id (``(B,)`` integers, :func:`split_units`), for a rule
+            that :attr:`~pergrad.aggregators.Aggregator.reads_units`; else ``None``.
     """
+    aggregator = wrapper.aggregator
+    check_units(aggregator, units)
     plan = replica_plan(wrapper, x)
-    result, per_example, aux = run_engine(
-        wrapper, plan, trainable_values, non_trainable_values, x, y, sample_weight
-    )
-    check_output_mask(wrapper, aux)
-    if result is None:
-        result = apply_rule(wrapper, plan, per_example)
+    if units is not None:  # read by the rule's weights, on whichever path
+        aggregator.set_units(units)
+    try:
+        result, per_example, aux = run_engine(
+            wrapper, plan, trainable_values, non_trainable_values, x, y, sample_weight
+        )
+        check_output_mask(wrapper, aux)
+        if result is None:
+            result = apply_rule(wrapper, plan, per_example)
+    finally:
+        if units is not None:
+            aggregator.pop_units()
     result = combine_replicas(wrapper, plan, result)
     result = post_process(wrapper, plan, result, per_example, aux, trainable_values)
     y_pred = aux["y_pred"]

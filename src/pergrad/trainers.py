@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 from keras import ops, tree
 
-from pergrad import compat, replicas
+from pergrad import compat, replicas, step
 from pergrad.backend import adapter
 
 
@@ -57,6 +57,7 @@ class StatelessTrainStep(_StepLimit):
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, units = step.split_units(x)  # the ids reach the rule only
         # Keras's JAX fit() empties the variables: the check's forward pass reads
         # the values of the state instead (and any assignment is dropped).
         values = list(zip(self.trainable_variables, trainable))
@@ -70,7 +71,7 @@ class StatelessTrainStep(_StepLimit):
         with keras.StatelessScope(state_mapping=mapping) as scope:
             allowed = self._update_allowed()
             grads, y_pred, seeds = self._aggregated_gradients(
-                trainable, [non_trainable[i] for i in inner], x, y, sample_weight
+                trainable, [non_trainable[i] for i in inner], x, y, sample_weight, units
             )
         non_trainable = [
             scope.get_current_value(v) if scope.get_current_value(v) is not None else value
@@ -111,6 +112,7 @@ class StatefulTrainStep(_StepLimit):
         # Also here for custom loops (a replica context of `strategy.run`).
         self._check_single_replica()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, units = step.split_units(x)  # the ids reach the rule only
         x = self._check_batch(x, y)
         allowed = self._update_allowed()
         variables = self.model.non_trainable_variables
@@ -120,6 +122,7 @@ class StatefulTrainStep(_StepLimit):
             x,
             y,
             sample_weight,
+            units,
         )
         # Each replica's own (kept per thread).
         reports = self._take_reports()

@@ -160,6 +160,11 @@ class Aggregator(keras.layers.Layer):
     #: inherits its parent's; one whose weights read other examples must set
     #: ``WHOLE_BATCH``.
     distribution: str = WHOLE_BATCH
+    #: Whether the rule reads each example's unit id (user-level DP,
+    #: ``pergrad.privacy.user_level_dp_gaussian``): the step then hands it the batch's
+    #: ids (``set_units``) and refuses a batch without them; every other rule refuses
+    #: a batch that has them.
+    reads_units: bool = False
 
     def __init__(self, **kwargs):
         kwargs.setdefault("dtype", "float32")

@@ -41,6 +41,11 @@ from pergrad.privacy.sampling import (
     default_bucket_width,
     max_batch_size_for,
 )
+from pergrad.privacy.units import (
+    UserLevelDPGaussian,
+    UserSampler,
+    user_level_dp_gaussian,
+)
 from pergrad.privacy.validation import (
     NotPoissonSampledWarning,
     NotPrivateError,
@@ -56,6 +61,8 @@ __all__ = [
     "PoissonSampler",
     "PrivacyAccountant",
     "PrivacyBudgetExhaustedError",
+    "UserLevelDPGaussian",
+    "UserSampler",
     "check_dp_fit",
     "default_bucket_width",
     "dp_gaussian",
@@ -65,6 +72,7 @@ __all__ = [
     "max_batch_size_for",
     "noise_multiplier_for",
     "steps_within_budget",
+    "user_level_dp_gaussian",
     "validate_model_for_dp",
     "zero_non_finite_examples",
 ]

@@ -10,7 +10,9 @@ The ``(epsilon, delta)`` guarantee of that event is computed by
 ``dp-accounting``'s Rényi-DP accountant (Mironov, 2017; Mironov, Talwar and
 Zhang, 2019), the default, or by its privacy-loss-distribution accountant
 (Koskela et al., 2020; Doroshenko et al., 2022), which is tighter and slower.
-Neighbouring datasets differ by adding or removing one example. Nothing here
+Neighbouring datasets differ by adding or removing one privacy unit: an example,
+or with user-level DP (:mod:`pergrad.privacy.units`) one user and all of its
+examples, ``q`` then being the users' sampling rate. Nothing here
 re-implements the analysis: this module only builds the event.
 
 Install the dependency with ``pip install pergrad[privacy]``.
@@ -102,8 +104,11 @@ def epsilon(
 
     Args:
         noise_multiplier: ``z``: noise std over clipping norm.
-        sampling_rate: ``q``: each example's probability of being in a batch
-            (Poisson sampling), ``expected_batch_size / dataset_size``.
+        sampling_rate: ``q``: each privacy unit's probability of being in a batch
+            (Poisson sampling): an example's, ``expected_batch_size / dataset_size``
+            (``PoissonSampler``), or for user-level DP a user's
+            (``UserSampler.sampling_rate``). The guarantee is for adding or removing
+            one such unit.
         steps: the number of optimizer steps taken.
         delta: the target ``delta``, typically below ``1 / dataset_size``.
         accountant: ``"rdp"`` (Rényi DP, the default) or ``"pld"`` (privacy

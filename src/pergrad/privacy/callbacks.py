@@ -14,8 +14,12 @@ from pergrad.privacy.sampling import PoissonSampler
 from pergrad.privacy.validation import (
     NotPoissonSampledWarning,
     check_accountant_matches,
+    check_units_match,
     validate_model_for_dp,
 )
+
+#: The privacy units a guarantee can be for (``PrivacyAccountant(unit=...)``).
+UNITS = ("example", "user")
 
 
 class PrivacyBudgetExhaustedError(RuntimeError):
@@ -63,6 +67,11 @@ class PrivacyAccountant(keras.callbacks.Callback):
         max_epsilon: the budget; ``None`` only logs.
         accountant: ``"rdp"`` (default) or ``"pld"``.
         log_name: the key under which ``epsilon`` is logged.
+        unit: whom the guarantee protects: ``"example"`` (``dp_gaussian`` on a
+            ``PoissonSampler``: adding or removing one example) or ``"user"``
+            (``user_level_dp_gaussian`` on a ``UserSampler``: one user, all of its
+            examples; ``sampling_rate`` is then the users'). It must match the
+            model's rule; :attr:`guarantee` says it in words.
     """
 
     def __init__(
@@ -74,8 +83,12 @@ class PrivacyAccountant(keras.callbacks.Callback):
         max_epsilon: float | None = None,
         accountant: str = "rdp",
         log_name: str = "epsilon",
+        unit: str = "example",
     ):
         super().__init__()
+        if unit not in UNITS:
+            raise ValueError(f"unit must be one of {UNITS}, got {unit!r}.")
+        self.unit = unit
         # Validates the arguments and the accountant's name right away.
         epsilon(noise_multiplier, sampling_rate, 0, delta, accountant)
         make_accountant(accountant)
@@ -96,6 +109,13 @@ class PrivacyAccountant(keras.callbacks.Callback):
     def epsilon(self) -> float:
         """``epsilon`` after the steps counted at the last read."""
         return epsilon(self.noise_multiplier, self.sampling_rate, self.steps, self.delta, self.accountant)
+
+    @property
+    def guarantee(self) -> str:
+        """What :attr:`epsilon` means, in words."""
+        unit = "one example" if self.unit == "example" else "one user (all of its examples)"
+        return (f"({self.epsilon:.4g}, {self.delta:g})-DP after {self.steps} steps, for adding or "
+                f"removing {unit}")
 
     def _read_steps(self) -> int:
         # Optimizer steps for a model without a DP rule (warned at train begin).
@@ -206,6 +226,8 @@ def check_dp_fit(model, x=None, callbacks=None) -> None:
     validate_model_for_dp(inner)
     for accountant in _accountants(callbacks):
         check_accountant_matches(accountant, aggregator, x if isinstance(x, PoissonSampler) else None)
+    if isinstance(x, PoissonSampler):
+        check_units_match(aggregator, x)
     if not isinstance(x, PoissonSampler):
         warnings.warn(
             "Training a DP model on batches that are not Poisson samples: the epsilon "

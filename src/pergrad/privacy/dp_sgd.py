@@ -164,6 +164,10 @@ class DPGaussian(WeightedAggregator):
     #: Tells ``pergrad.privacy.check_dp_fit`` and the accountant callback that
     #: this rule carries a privacy guarantee (and assumes Poisson sampling).
     differentially_private = True
+    #: Whose addition or removal the guarantee covers: one example (``"user"``:
+    #: :class:`~pergrad.privacy.units.UserLevelDPGaussian`). The sampler and the
+    #: accountant must say the same (``PrivacyAccountant(unit=...)``).
+    privacy_unit = "example"
 
     def __init__(
         self,

@@ -84,13 +84,25 @@ def max_batch_size_for(dataset_size: int, sampling_rate: float, overflow_probabi
     that makes the right side ``overflow_probability`` gives a bound that holds
     for any ``n`` and ``q`` (a little larger than the exact quantile).
     """
+    mean = dataset_size * sampling_rate
+    return bernstein_bound(mean, mean * (1.0 - sampling_rate), 1, dataset_size, overflow_probability)
+
+
+def bernstein_bound(mean: float, variance: float, largest: float, total: int,
+                    overflow_probability: float) -> int:
+    """A size that a sum of independent terms in ``[0, largest]`` (of ``mean`` and
+    ``variance``, at most ``total``) exceeds with probability at most ``overflow_probability``.
+
+    Bernstein's inequality: ``P(X >= mean + t) <= exp(-t^2 / (2 (variance + largest t / 3)))``;
+    the ``t`` that makes the right side ``overflow_probability`` bounds any such sum (a
+    Poisson sample's size: terms in ``[0, 1]``; a user sample's: ``[0, k]``).
+    """
     if not 0 < overflow_probability < 1:
         raise ValueError(f"overflow_probability must be in (0, 1), got {overflow_probability}.")
-    mean = dataset_size * sampling_rate
-    variance = mean * (1.0 - sampling_rate)
     log_term = math.log(1.0 / overflow_probability)
-    t = log_term / 3.0 + math.sqrt((log_term / 3.0) ** 2 + 2.0 * variance * log_term)
-    return max(1, min(int(dataset_size), math.ceil(mean + t)))
+    third = largest * log_term / 3.0
+    t = third + math.sqrt(third**2 + 2.0 * variance * log_term)
+    return max(1, min(int(total), math.ceil(mean + t)))
 
 
 #: The narrowest default bucket: fewer padding rows are not worth another compiled shape.
@@ -105,8 +117,12 @@ def default_bucket_width(dataset_size: int, sampling_rate: float) -> int:
     batch size, while padding costs about ``s / 2`` rows, a fraction
     ``1 / (2 sqrt(n q))`` of the batch: 6% at an expected batch of 64, 3% at 256.
     """
-    deviation = math.sqrt(dataset_size * sampling_rate * (1.0 - sampling_rate))
-    return max(MIN_BUCKET_WIDTH, math.ceil(deviation))
+    return bucket_width_for(dataset_size * sampling_rate * (1.0 - sampling_rate))
+
+
+def bucket_width_for(variance: float) -> int:
+    """``max(8, ceil(s))`` for a batch size of variance ``s^2``."""
+    return max(MIN_BUCKET_WIDTH, math.ceil(math.sqrt(variance)))
 
 
 class PoissonSampler(keras.utils.PyDataset):
@@ -328,10 +344,17 @@ class PoissonSampler(keras.utils.PyDataset):
             return callbacks
         return [*callbacks, sync]
 
+    #: What one draw includes independently with probability ``sampling_rate``, and what
+    #: the accountant's guarantee is for (``PrivacyAccountant(unit=...)``).
+    privacy_unit = "example"
+
+    def generator_for_step(self, step: int) -> np.random.Generator:
+        """The generator of global step ``step``'s draw: a pure function of (seed, step)."""
+        return np.random.default_rng(np.random.SeedSequence(self._entropy, spawn_key=(int(step),)))
+
     def indices_for_step(self, step: int) -> np.ndarray:
         """The Poisson sample of global step ``step``: a pure function of (seed, step)."""
-        generator = np.random.default_rng(np.random.SeedSequence(self._entropy, spawn_key=(int(step),)))
-        return np.flatnonzero(generator.random(self.dataset_size) < self.sampling_rate)
+        return np.flatnonzero(self.generator_for_step(step).random(self.dataset_size) < self.sampling_rate)
 
     @property
     def expected_batch_size(self) -> float:
@@ -362,8 +385,12 @@ class PoissonSampler(keras.utils.PyDataset):
         rows = np.concatenate([indices, np.zeros(size - len(indices), dtype=indices.dtype)])
         weights = np.zeros(size, dtype="float32")
         weights[: len(indices)] = 1.0 if self.sample_weight is None else self.sample_weight[indices]
-        x = tree.map_structure(lambda a: a[rows], self.x)
-        return x, tree.map_structure(lambda a: a[rows], self.y), weights
+        return self.inputs(rows, len(indices)), tree.map_structure(lambda a: a[rows], self.y), weights
+
+    def inputs(self, rows: np.ndarray, drawn: int):
+        """The batch's ``x``: the rows ``rows`` of the inputs, the first ``drawn`` of them
+        sampled and the rest padding."""
+        return tree.map_structure(lambda a: a[rows], self.x)
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -91,8 +91,31 @@ def validate_model_for_dp(model, x=None) -> None:
         )
 
 
+def check_units_match(aggregator, sampler) -> None:
+    """The sampler must sample the unit the rule bounds: examples for ``dp_gaussian``
+    (``PoissonSampler``), users for ``user_level_dp_gaussian`` (``UserSampler``)."""
+    rule_unit = getattr(aggregator, "privacy_unit", "example")
+    sampler_unit = getattr(sampler, "privacy_unit", "example")
+    if rule_unit != sampler_unit:
+        fix = ("pergrad.privacy.UserSampler(x, y, users=ids, ...)" if rule_unit == "user"
+               else "pergrad.privacy.user_level_dp_gaussian (or a PoissonSampler)")
+        raise ValueError(
+            f"{type(aggregator).__name__} bounds the influence of one {rule_unit}, but "
+            f"{type(sampler).__name__} samples {sampler_unit}s: the accounting at the "
+            f"sampler's rate would not describe the rule's guarantee. Use {fix}."
+        )
+
+
 def check_accountant_matches(accountant, aggregator, sampler=None) -> None:
-    """An accountant must describe the mechanism that runs: the rule's ``z``, the sampler's ``q``."""
+    """An accountant must describe the mechanism that runs: the rule's ``z`` and privacy
+    unit, the sampler's ``q``."""
+    rule_unit = getattr(aggregator, "privacy_unit", "example")
+    if accountant.unit != rule_unit:
+        raise ValueError(
+            f"PrivacyAccountant(unit={accountant.unit!r}) does not match the model's "
+            f"aggregator, which bounds the influence of one {rule_unit}: pass "
+            f"unit={rule_unit!r}."
+        )
     if not math.isclose(accountant.noise_multiplier, aggregator.noise_multiplier, rel_tol=1e-9):
         raise ValueError(
             f"PrivacyAccountant(noise_multiplier={accountant.noise_multiplier}) does not "
