@@ -13,6 +13,10 @@ The guarantee, what is refused to keep it, what ``seed=`` means and how
 resuming works are described in :class:`DPGaussian`,
 :class:`PrivacyAccountant`, :class:`PoissonSampler` and the README.
 
+User-level DP (the guarantee for one user and all of their examples):
+:func:`user_level_dp_gaussian` on a :class:`UserSampler`, with
+``PrivacyAccountant(..., unit="user")`` (:mod:`pergrad.privacy.units`).
+
 Accounting (:func:`epsilon`, :func:`noise_multiplier_for`) needs the
 ``dp-accounting`` package (``pip install pergrad[privacy]``).
 """

@@ -60,17 +60,21 @@ def unit_squared_norms(gram, units):
     """``(B,)``: the squared norm of the summed gradient of example i's unit,
     ``1_u^T G 1_u`` (``u`` the unit of i), and whether that block of ``gram`` is finite.
 
-    ``same[i, j] = units_i == units_j``; ``(same G)_ij`` sums ``G_kj`` over i's unit, and
-    the row sum of ``(same G) * same`` over i's unit's columns is the block sum. Entries
-    outside a unit's block never enter it: non-finite ones are zeroed first, and a
-    block that had one is reported (``finite`` False) rather than summed.
+    ``same[i, j] = units_i == units_j`` is an equivalence: ``j`` and ``k`` in i's unit is
+    ``same_ij same_jk``, so the block sum is ``same @ r`` with ``r_j = sum_k same_jk G_jk``
+    (each row's sum within its unit's columns): ``O(B^2)``, no ``B^3`` product. Entries
+    outside a unit's block never enter it (``where``, not a product: ``0 * inf`` is NaN),
+    and a block holding a non-finite entry is reported (``finite`` False) rather than summed.
     """
     units = ops.convert_to_tensor(units)
-    same = ops.cast(ops.equal(units[:, None], units[None, :]), "float32")
+    same = ops.equal(units[:, None], units[None, :])
     gram = ops.cast(gram, "float32")
     usable = ops.isfinite(gram)
-    blocks = ops.sum(ops.matmul(same, ops.where(usable, gram, 0.0)) * same, axis=1)
-    unusable = ops.sum(ops.matmul(same, ops.cast(~usable, "float32")) * same, axis=1)
+    inside = ops.cast(same, "float32")
+    rows = ops.sum(ops.where(same & usable, gram, 0.0), axis=1)
+    unusable = ops.sum(ops.cast(same & ~usable, "float32"), axis=1)
+    blocks = ops.matmul(inside, rows[:, None])[:, 0]
+    unusable = ops.matmul(inside, unusable[:, None])[:, 0]
     # Rounding may leave a cancelling unit's sum slightly below 0.
     return ops.maximum(blocks, 0.0), ops.isfinite(blocks) & (unusable == 0)
 
@@ -94,8 +98,9 @@ class UserLevelDPGaussian(DPGaussian):
 
     Flat clipping only (the Gram matrix is over all variables). Refused on several
     ``tf.distribute`` replicas (a replica's shard may hold part of a user); exact on
-    the statistics, chunked (``microbatch_size``) and materialized paths, and under
-    JAX's ``DataParallel`` (one step over the whole batch).
+    the statistics, chunked (``microbatch_size``) and materialized paths. JAX's
+    ``DataParallel`` runs one step over the whole batch, so nothing splits a user there
+    (not tested on several devices yet).
 
     Diagnostics (``diagnostics=True``, not private) count each example with its
     user's norm.
