@@ -43,7 +43,7 @@ def main() -> None:
 
     import models
     import pergrad
-    from pergrad import privacy, step
+    from pergrad import privacy
     from process import configure_threads
     from runner import Stepper
 
@@ -71,7 +71,7 @@ def main() -> None:
                 models.CLIP_NORM, models.NOISE_MULTIPLIER, expected_batch_size=batch_size, seed=0)), x, y),
             "user": Stepper(wrapped(privacy.user_level_dp_gaussian(
                 models.CLIP_NORM, models.NOISE_MULTIPLIER, expected_batch_size=users, seed=0)),
-                {step.UNIT_INPUTS: x, step.UNIT_IDS: keras.ops.convert_to_tensor(ids)}, y),
+                {privacy.UNIT_INPUTS: x, privacy.UNIT_IDS: keras.ops.convert_to_tensor(ids)}, y),
         }
         block = {}
         for name, stepper in steppers.items():

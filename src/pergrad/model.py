@@ -9,6 +9,7 @@ from keras import ops, tree
 
 from pergrad import aggregators as aggregators_module
 from pergrad import compat, replicas, step, trainers
+from pergrad.aggregators.base import split_units
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
 from pergrad.engine import PerExampleProblem, check_model, mean_reduced
@@ -103,7 +104,7 @@ class PerExampleModel(_TrainStep, keras.Model):
 
     def build(self, input_shape=None):
         if not self.model.built:
-            self.model.build(step.split_units(input_shape)[0])
+            self.model.build(split_units(input_shape)[0])
         if not self.aggregator.built:
             shapes = [(None,) + tuple(v.shape) for v in self.model.trainable_variables]
             self.aggregator.build(shapes)
@@ -195,12 +196,12 @@ class PerExampleModel(_TrainStep, keras.Model):
             )
 
     # A batch of pergrad.privacy.UserSampler carries user ids beside the inputs: the
-    # wrapped model never sees them (pergrad.step.split_units).
+    # wrapped model never sees them (pergrad.aggregators.base.split_units).
     def call(self, inputs, training=None):
-        return self.model(step.split_units(inputs)[0], training=training)
+        return self.model(split_units(inputs)[0], training=training)
 
     def compute_output_spec(self, inputs, training=None):
-        return self.model.compute_output_spec(step.split_units(inputs)[0])
+        return self.model.compute_output_spec(split_units(inputs)[0])
 
     def get_config(self):
         config = super().get_config()

@@ -24,6 +24,8 @@ from pergrad import compat, replicas
 from pergrad.aggregators.base import (
     LOCAL_MEAN,
     STATISTICS,
+    UNIT_IDS,
+    UNIT_INPUTS,
     WHOLE_BATCH,
     check_result,
     zero_non_finite_examples,
@@ -35,23 +37,10 @@ from pergrad.tensors import all_finite
 #: The paths ``engine_path`` chooses between.
 STATISTICS_PATH, CHUNKED_PATH, MATERIALIZED_PATH = "statistics", "chunked", "materialized"
 
-#: The keys of a batch's ``x`` that carries each example's privacy unit (its user):
-#: ``{UNIT_INPUTS: inputs, UNIT_IDS: (B,) integer ids}`` (``pergrad.privacy.UserSampler``
-#: yields it). The train step takes the ids out before anything reads ``x``
-#: (:func:`split_units`): the network sees ``inputs`` only.
-UNIT_INPUTS, UNIT_IDS = "pergrad_inputs", "pergrad_units"
-
-
-def split_units(x):
-    """``(inputs, ids)`` of a batch's ``x`` that carries unit ids (:data:`UNIT_IDS`), else
-    ``(x, None)``."""
-    if isinstance(x, dict) and set(x) == {UNIT_INPUTS, UNIT_IDS}:
-        return x[UNIT_INPUTS], x[UNIT_IDS]
-    return x, None
-
 
 def check_units(aggregator, units) -> None:
-    """Raises unless the batch carries unit ids exactly when the rule reads them
+    """Raises unless the batch carries unit ids
+    (:func:`~pergrad.aggregators.base.split_units`) exactly when the rule reads them
     (:attr:`~pergrad.aggregators.Aggregator.reads_units`)."""
     name = f"{aggregator.name!r} ({type(aggregator).__name__})"
     if aggregator.reads_units and units is None:
@@ -308,8 +297,9 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
         x: the batch's inputs.
         y: its targets.
         sample_weight: its sample weights, or ``None``.
-        units: each example's unit id (``(B,)`` integers, :func:`split_units`), for a rule
-            that :attr:`~pergrad.aggregators.Aggregator.reads_units`; else ``None``.
+        units: each example's unit id (``(B,)`` integers,
+            :func:`~pergrad.aggregators.base.split_units`), for a rule that
+            :attr:`~pergrad.aggregators.Aggregator.reads_units`; else ``None``.
     """
     aggregator = wrapper.aggregator
     check_units(aggregator, units)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import keras
 from keras import ops, tree
 
-from pergrad import compat, replicas, step
+from pergrad import compat, replicas
+from pergrad.aggregators.base import split_units
 from pergrad.backend import adapter
 
 
@@ -57,7 +58,7 @@ class StatelessTrainStep(_StepLimit):
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        x, units = step.split_units(x)  # the ids reach the rule only
+        x, units = split_units(x)  # the ids reach the rule only
         # Keras's JAX fit() empties the variables: the check's forward pass reads
         # the values of the state instead (and any assignment is dropped).
         values = list(zip(self.trainable_variables, trainable))
@@ -112,7 +113,7 @@ class StatefulTrainStep(_StepLimit):
         # Also here for custom loops (a replica context of `strategy.run`).
         self._check_single_replica()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        x, units = step.split_units(x)  # the ids reach the rule only
+        x, units = split_units(x)  # the ids reach the rule only
         x = self._check_batch(x, y)
         allowed = self._update_allowed()
         variables = self.model.non_trainable_variables

@@ -69,6 +69,8 @@ __all__ = [
     "LOCAL_MEAN",
     "LOCAL_SUM",
     "STATISTICS",
+    "UNIT_IDS",
+    "UNIT_INPUTS",
     "WHOLE_BATCH",
     "Aggregator",
     "CoordinateAggregator",
@@ -88,6 +90,7 @@ __all__ = [
     "scale_examples",
     "scaled_squared_norms_of_rows",
     "serializable",
+    "split_units",
     "squared_norms_of_rows",
     "static_batch_size",
     "weighted_sum",
@@ -113,6 +116,21 @@ LOCAL_SUM = "local-sum"
 #: rule runs on the whole batch, gathered.
 WHOLE_BATCH = "whole-batch"
 DISTRIBUTIONS = (LOCAL_MEAN, LOCAL_SUM, WHOLE_BATCH)
+
+
+#: The keys of a batch's ``x`` that carries each example's privacy unit (its user, for
+#: a rule that :attr:`~Aggregator.reads_units`): ``{UNIT_INPUTS: inputs, UNIT_IDS: (B,)
+#: integer ids}`` (``pergrad.privacy.UserSampler`` yields it). The train step takes the
+#: ids out before anything reads ``x`` (:func:`split_units`): the network sees ``inputs``.
+UNIT_INPUTS, UNIT_IDS = "pergrad_inputs", "pergrad_units"
+
+
+def split_units(x):
+    """``(inputs, ids)`` of a batch's ``x`` that carries unit ids (:data:`UNIT_IDS`), else
+    ``(x, None)``."""
+    if isinstance(x, dict) and set(x) == {UNIT_INPUTS, UNIT_IDS}:
+        return x[UNIT_INPUTS], x[UNIT_IDS]
+    return x, None
 
 
 def serializable(cls):

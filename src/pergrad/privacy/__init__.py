@@ -21,7 +21,7 @@ Accounting (:func:`epsilon`, :func:`noise_multiplier_for`) needs the
 ``dp-accounting`` package (``pip install pergrad[privacy]``).
 """
 
-from pergrad.aggregators.base import zero_non_finite_examples
+from pergrad.aggregators.base import UNIT_IDS, UNIT_INPUTS, zero_non_finite_examples
 from pergrad.privacy.accounting import (
     ACCOUNTANTS,
     dp_sgd_event,
@@ -58,6 +58,8 @@ from pergrad.privacy.validation import (
 
 __all__ = [
     "ACCOUNTANTS",
+    "UNIT_IDS",
+    "UNIT_INPUTS",
     "BatchOverflowError",
     "DPGaussian",
     "NotPoissonSampledWarning",

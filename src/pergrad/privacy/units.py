@@ -27,7 +27,7 @@ user: no ``B x P`` tensor.
 
 **The channel.** A :class:`UserSampler` batch's ``x`` is
 ``{"pergrad_inputs": inputs, "pergrad_units": ids}``
-(``pergrad.step.UNIT_INPUTS``, ``UNIT_IDS``); ``PerExampleModel``'s train step
+(``pergrad.aggregators.base.UNIT_INPUTS``, ``UNIT_IDS``); ``PerExampleModel``'s train step
 takes the ids out before anything reads ``x`` and hands them to the rule
 (:meth:`UserLevelDPGaussian.set_units`): the network never sees them. A
 user-level rule refuses a batch without ids, every other rule one with them.
@@ -47,10 +47,9 @@ import threading
 import numpy as np
 from keras import ops
 
-from pergrad.aggregators.base import ExampleStatistics, serializable
+from pergrad.aggregators.base import UNIT_IDS, UNIT_INPUTS, ExampleStatistics, serializable
 from pergrad.privacy.dp_sgd import DPGaussian
 from pergrad.privacy.sampling import PoissonSampler, bernstein_bound, bucket_width_for
-from pergrad.step import UNIT_IDS, UNIT_INPUTS
 
 #: The unit id of a padding row: no user's (padding has zero gradient in any case).
 PADDING_UNIT = -1
