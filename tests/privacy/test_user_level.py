@@ -256,3 +256,15 @@ def test_config_round_trip():
     restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(rule))
     assert type(restored) is privacy.UserLevelDPGaussian
     assert restored.get_config() == rule.get_config() and restored.privacy_unit == "user"
+
+
+def test_a_saved_model_loads_with_its_user_level_rule_and_step_count(tmp_path):
+    x, y, ids = batch()
+    model = compiled(user_level_dp_gaussian(CLIP, 1.0, expected_batch_size=EXPECTED, seed=1))
+    model.train_on_batch({privacy.UNIT_INPUTS: x, privacy.UNIT_IDS: ids}, y)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert type(loaded.aggregator) is privacy.UserLevelDPGaussian
+    assert int(ops.convert_to_numpy(loaded.aggregator.step_count)) == 1
+    with pytest.raises(ValueError, match="needs the user id of every example"):
+        loaded.train_on_batch(x, y)
