@@ -3,7 +3,8 @@
 The references flatten :func:`pergrad.per_example_gradients` (itself checked against a
 batch-of-one loop in tests/engine) into ``(N, P)`` rows and compute every score from them
 with NumPy; the loss and EL2N references come from a Python loop of Keras's own
-``compute_loss`` and predictions. Batches of 4 over 6 examples: uneven batches stay aligned.
+``compute_loss`` and predictions. Several batches per data set (uneven ones in the
+input-kind test): the scores stay aligned with the examples.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ def test_every_score_matches_the_materialized_reference(name):
     model = problem.compile()
     x, y, weight = problem.x, problem.y, problem.sample_weight
     train = (x, y)
-    test_x = keras.tree.map_structure(lambda t: t[[5, 0, 2]] * 1, x)
-    test_y = y[[5, 0, 2]]
-    arguments = dict(batch_size=4, verbose=0)
+    chosen = [5, 0, 2]  # the test examples: rows of the data, their gradients rows of its
+    test = (keras.tree.map_structure(lambda t: t[chosen], x), y[chosen], weight[chosen])
+    arguments = dict(batch_size=3, verbose=0)
 
     np.testing.assert_allclose(pergrad.scores(model, *train, weight, kind="loss", **arguments),
                                _reference_losses(model, x, y, weight), rtol=1e-5, atol=1e-6)
@@ -78,14 +79,14 @@ def test_every_score_matches_the_materialized_reference(name):
     self_influence, influence = 0.0, 0.0
     for rate, weights in zip(RATES, checkpoints):
         model.set_weights(weights)
-        rows, test_rows = _rows(model, x, y, weight), _rows(model, test_x, test_y, None)
+        rows = _rows(model, x, y, weight)
         self_influence = self_influence + rate * np.sum(rows**2, axis=1)
-        influence = influence + rate * rows @ test_rows.T
+        influence = influence + rate * rows @ rows[chosen].T
     model.set_weights(checkpoints[0])
     tracin = dict(checkpoints=checkpoints, learning_rates=RATES, **arguments)
     np.testing.assert_allclose(pergrad.scores(model, *train, weight, kind="self_influence", **tracin),
                                self_influence, rtol=1e-4, atol=1e-6)
-    found = pergrad.scores(model, *train, weight, kind="influence", test_data=(test_x, test_y), **tracin)
+    found = pergrad.scores(model, *train, weight, kind="influence", test_data=test, **tracin)
     assert found.shape == (6, 3)
     np.testing.assert_allclose(found, influence, rtol=1e-4, atol=1e-5)
     for kept, original in zip(model.get_weights(), checkpoints[0]):  # restored after the checkpoints
