@@ -3,8 +3,8 @@
 The references flatten :func:`pergrad.per_example_gradients` (itself checked against a
 batch-of-one loop in tests/engine) into ``(N, P)`` rows and compute every score from them
 with NumPy; the loss and EL2N references come from a Python loop of Keras's own
-``compute_loss`` and predictions. Several batches per data set (uneven ones in the
-input-kind test): the scores stay aligned with the examples.
+``compute_loss`` and predictions. Batches of 4 over 6 examples: the scores stay aligned
+with the examples, and the smaller last batch (padded to 4) keeps its own.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 import pergrad
 import problems
 from oracle import take, to_numpy
+from pergrad import cli, insight
 from pergrad.scores import KINDS
 
 PROBLEMS = ["dense_mlp", "conv2d", "embedding", "layer_norm", "attention"]
@@ -65,7 +66,7 @@ def test_every_score_matches_the_materialized_reference(name):
     train = (x, y)
     chosen = [5, 0, 2]  # the test examples: rows of the data, their gradients rows of its
     test = (keras.tree.map_structure(lambda t: t[chosen], x), y[chosen], weight[chosen])
-    arguments = dict(batch_size=3, verbose=0)
+    arguments = dict(batch_size=4, verbose=0)  # (a last batch of 2, padded)
 
     np.testing.assert_allclose(pergrad.scores(model, *train, weight, kind="loss", **arguments),
                                _reference_losses(model, x, y, weight), rtol=1e-5, atol=1e-6)
@@ -159,3 +160,17 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="learning_rates"):
         pergrad.scores(model, x, y, kind="el2n", learning_rates=0.1)
     assert set(KINDS) == {"loss", "el2n", "grand", "self_influence", "influence"}
+
+
+def test_the_finder_counts_flipped_labels_among_the_highest_scores():
+    y, flipped = insight.flip_labels(np.arange(20) % 10, 0.1, seed=0)
+    assert flipped.sum() == 2 and np.all(y[flipped] != (np.arange(20) % 10)[flipped])
+    score = np.where(flipped, 5.0, 0.0)
+    score[np.flatnonzero(~flipped)[0]] = 9.0  # one clean example ranked first
+    assert insight.precision_at_k(score, flipped, 2) == 0.5
+    assert insight.precision_at_k(score, flipped, 3) == 2 / 3
+
+
+def test_pergrad_insight_writes_its_plots(tmp_path):
+    cli.main(["insight", "--seeds", "1", "--epochs", "1", "--no-pruning", "--out", str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mislabeled_precision.png", "score_histograms.png"]

@@ -32,6 +32,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import keras
@@ -145,6 +146,12 @@ def _learning_rates(learning_rates, count: int) -> list[float]:
 
 def _concatenate(first, second):
     return tree.map_structure(lambda a, b: np.concatenate([np.asarray(a), np.asarray(b)]), first, second)
+
+
+def _padded(array, size: int):
+    """``array`` (batch first) with its rows repeated in turn up to ``size`` rows."""
+    array = np.asarray(array)
+    return array if len(array) >= size else np.take(array, np.arange(size) % len(array), axis=0)
 
 
 def _numpy(value):
@@ -288,10 +295,16 @@ def scores(
     progress = keras.utils.Progbar(data.num_batches, verbose=1 if verbose == "auto" else int(verbose),
                                    unit_name="batch")
     current = model.get_weights() if weights is not None else None
-    chunks, checked = [], False
+    chunks, checked, padded = [], False, 0
     try:
         for step, batch in enumerate(data.get_numpy_iterator(), start=1):
             batch_x, batch_y, batch_weight = keras.utils.unpack_x_y_sample_weight(batch)
+            size = len(tree.flatten(batch_x)[0])
+            padded = padded if step > 1 else size
+            # A smaller last batch is padded to the first's size (repeated rows, dropped
+            # again): every example's score is its own, and no second compilation.
+            batch_x, batch_y, batch_weight = (map_optional(functools.partial(_padded, size=padded), t)
+                                              for t in (batch_x, batch_y, batch_weight))
             if kind != "loss" and not checked:
                 _check_masks(model, batch_x, kind)
                 checked = True
@@ -300,7 +313,7 @@ def scores(
                 if weights is not None:
                     model.set_weights(weights[c])
                 total = total + rate * scorer(batch_x, batch_y, batch_weight)
-            chunks.append(total)
+            chunks.append(total[:size])
             progress.update(step)
     finally:
         if current is not None:
