@@ -157,6 +157,8 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="2 learning rates for 1"):
         pergrad.scores(model, x, y, kind="self_influence", checkpoints=[model.get_weights()],
                        learning_rates=[1.0, 2.0])
+    with pytest.raises(ValueError, match="needs the targets"):
+        pergrad.scores(model, x, kind="el2n", verbose=0)
     with pytest.raises(ValueError, match="learning_rates"):
         pergrad.scores(model, x, y, kind="el2n", learning_rates=0.1)
     assert set(KINDS) == {"loss", "el2n", "grand", "self_influence", "influence"}

@@ -99,6 +99,8 @@ def _error_kind(loss) -> tuple[str, bool]:
 
 def _el2n(y_pred, y, kind: str, from_logits: bool) -> np.ndarray:
     """``||p_i - y_i||``: ``p`` the predicted probabilities (or values), ``y`` one-hot."""
+    if y is None:
+        raise ValueError("kind='el2n' needs the targets: pass y= or data that yields (x, y).")
     y_pred = np.asarray(y_pred, "float64")
     y = np.asarray(y)
     if kind in ("sparse", "categorical"):
