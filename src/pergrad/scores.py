@@ -99,8 +99,6 @@ def _error_kind(loss) -> tuple[str, bool]:
 
 def _el2n(y_pred, y, kind: str, from_logits: bool) -> np.ndarray:
     """``||p_i - y_i||``: ``p`` the predicted probabilities (or values), ``y`` one-hot."""
-    if y is None:
-        raise ValueError("kind='el2n' needs the targets: pass y= or data that yields (x, y).")
     y_pred = np.asarray(y_pred, "float64")
     y = np.asarray(y)
     if kind in ("sparse", "categorical"):
@@ -176,6 +174,8 @@ class _Scorer:
 
     def __call__(self, x, y, sample_weight) -> np.ndarray:
         batch_size = len(tree.flatten(x)[0])
+        if self.kind == "el2n" and y is None:
+            raise ValueError("kind='el2n' needs the targets: pass y= or data that yields (x, y).")
         if self.kind in ("loss", "el2n"):
             values = [v.value for v in self.model.trainable_variables]
             states = [v.value for v in self.model.non_trainable_variables]
