@@ -6,6 +6,7 @@ from pergrad import aggregators, layer_rules
 from pergrad.engine import per_example_gradients
 from pergrad.engine.statistics import per_example_statistics
 from pergrad.model import PerExampleModel
+from pergrad.scores import scores  # (the function: it shadows the module's attribute)
 
 __all__ = [
     "PerExampleModel",
@@ -14,6 +15,7 @@ __all__ = [
     "per_example_gradients",
     "per_example_statistics",
     "privacy",
+    "scores",
 ]
 __version__ = "0.1.0"
 

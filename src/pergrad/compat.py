@@ -141,3 +141,11 @@ def recording_variable_reads(record):
             if _patch["users"] == 0:
                 StatelessScope.get_current_value = _patch["original"]
                 _patch["original"] = None
+
+
+def data_adapter(x, y=None, sample_weight=None, batch_size=None):
+    """``keras.src.trainers.data_adapters.get_data_adapter``: what ``fit()`` iterates
+    (arrays, ``tf.data``, generators, ``PyDataset``, a torch ``DataLoader``), unshuffled."""
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    return get_data_adapter(x, y, sample_weight, batch_size=batch_size, shuffle=False)
