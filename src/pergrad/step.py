@@ -279,6 +279,13 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
         result = apply_rule(wrapper, plan, per_example)
     result = combine_replicas(wrapper, plan, result)
     result = post_process(wrapper, plan, result, per_example, aux, trainable_values)
+    request = wrapper._diagnostics_request()
+    if request is not None:  # pergrad.diagnostics: logged with the rule's diagnostics
+        from pergrad.diagnostics import batch_values
+
+        values = batch_values(request, wrapper._problem(), trainable_values, non_trainable_values, x, y,
+                              sample_weight, per_example)
+        wrapper._keep_reports({**(wrapper._take_reports() or {}), **values})
     y_pred = aux["y_pred"]
     if "mask" in aux:
         compat.set_mask(tree.flatten(y_pred)[0], aux["mask"])
