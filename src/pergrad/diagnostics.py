@@ -34,6 +34,7 @@ from pergrad.backend import adapter
 from pergrad.engine.plan import Unsupported
 from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
 from pergrad.engine.statistics import layers_of
+from pergrad.layer_rules.base import replaced_attribute
 from pergrad.log import warn_once
 from pergrad.tensors import example_rows
 
@@ -298,9 +299,15 @@ class GradientDiagnostics(keras.callbacks.Callback):
         # fit() made the plain function; the diagnostic one is traced on its first call
         # (on TF and JAX the request is read when the step is traced, on torch when it runs).
         plain = model.train_function
-        model._set_diagnostics_request(self.request)
-        diagnostic = model.make_train_function(force=True)
-        model._set_diagnostics_request(None)
+        step = type(model).train_step
+
+        def diagnostic_step(*args):
+            # Its own function object: jax.jit would share the plain step's traces.
+            return step(model, *args)
+
+        with replaced_attribute(model, "train_step", diagnostic_step):
+            model.make_train_function(force=True)  # (Keras's returns nothing on some backends)
+        diagnostic = model.train_function
         model.train_function = plain
         self._functions = (plain, diagnostic)
 
