@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 import keras
-from keras import ops, tree
+from keras import ops
 
 from pergrad.aggregators.base import ExampleStatistics
 from pergrad.backend import adapter
@@ -98,9 +98,11 @@ class DiagnosticsRequest:
             batch_squared = sum(ops.sum(ops.square(ops.cast(s, "float32") / size)) for s in sums)
             out[SQUARED_NORM], out[TRACE] = noise_scale_estimates(mean_squared, batch_squared, size)
         if self.gsnr:
+            sum_squares = [ops.cast(q, "float32") for q in sum_squares]
+            largest = ops.max(ops.stack([ops.max(q) for q in sum_squares]))
             ratios, counts = 0.0, 0.0
             for name, s, q in zip(variable_keys(variables), sums, sum_squares):
-                ratio, count = _gsnr_parts(ops.cast(s, "float32"), ops.cast(q, "float32"), size)
+                ratio, count = _gsnr_parts(ops.cast(s, "float32"), q, size, largest)
                 out[f"gsnr/{name}"] = ratio / count
                 ratios, counts = ratios + ratio, counts + count
             out["gsnr"] = ops.convert_to_tensor(ratios, "float32") / counts
@@ -123,13 +125,20 @@ def noise_scale_estimates(mean_squared_norm, batch_squared_norm, batch_size):
     return squared, trace
 
 
-def _gsnr_parts(sums, sum_squares, size):
+#: Coordinates whose root-mean-square gradient is below this fraction of the model's largest
+#: are zero to float32 precision (the bias of attention keys, which softmax ignores): their
+#: mean and variance are rounding noise, and they have no GSNR.
+NEGLIGIBLE_GRADIENT = 1e-5
+
+
+def _gsnr_parts(sums, sum_squares, size, largest_sum_squares):
     """``(sum of mean^2 / var, count)`` over the coordinates whose gradient varies across the
-    batch (``var > 0``; the batch's variance, ``1 / B``): a coordinate no example's
-    gradient moves differently (an embedding row no token selects) has no ratio."""
+    batch (``var > 0``; the batch's variance, ``1 / B``) and is not negligible
+    (:data:`NEGLIGIBLE_GRADIENT`): a coordinate no example's gradient moves (an embedding
+    row no token selects) has no ratio."""
     mean = sums / size
     variance = ops.maximum(sum_squares / size - ops.square(mean), 0.0)
-    varies = variance > 0
+    varies = (variance > 0) & (sum_squares > NEGLIGIBLE_GRADIENT**2 * largest_sum_squares)
     ratio = ops.where(varies, ops.square(mean) / ops.where(varies, variance, 1.0), 0.0)
     return ops.sum(ratio), ops.sum(ops.cast(varies, "float32"))
 
@@ -165,7 +174,9 @@ def batch_values(request: DiagnosticsRequest, problem, trainable_values, non_tra
     """
     variables = problem.model.trainable_variables
     if per_example is None:
-        batched, batch_size, non_trainable, _ = problem.batched_inputs(non_trainable_values, x, y, sample_weight)
+        batched, batch_size, non_trainable, _ = problem.batched_inputs(
+            non_trainable_values, x, y, sample_weight
+        )
         shared = {"non_trainable": non_trainable, "loss_scale": None}
         try:
             layers, _ = layers_of(problem, trainable_values, batched, shared, batch_size, None)
@@ -295,7 +306,9 @@ class GradientDiagnostics(keras.callbacks.Callback):
                 "pergrad.PerExampleModel(model, 'mean')."
             )
         if count(model) > 1:
-            raise ValueError("GradientDiagnostics does not support several replicas yet: train on one device.")
+            raise ValueError(
+                "GradientDiagnostics does not support several replicas yet: train on one device."
+            )
         # fit() made the plain function; the diagnostic one is traced on its first call
         # (on TF and JAX the request is read when the step is traced, on torch when it runs).
         plain = model.train_function
