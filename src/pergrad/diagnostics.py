@@ -295,11 +295,10 @@ class GradientDiagnostics(keras.callbacks.Callback):
     # -- which train function each step runs ---------------------------------------------
 
     def on_train_begin(self, logs=None):
-        from pergrad.model import PerExampleModel
         from pergrad.replicas import count
 
         model = self.model
-        if not isinstance(model, PerExampleModel):
+        if not hasattr(model, "_set_diagnostics_request"):  # (pergrad.model imports this module)
             raise TypeError(
                 "GradientDiagnostics needs a pergrad.PerExampleModel (its train step computes "
                 f"the per-example statistics); got {type(model).__name__}. Wrap the model: "
