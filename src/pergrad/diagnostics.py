@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 import keras
-from keras import ops
+from keras import ops, tree
 
 from pergrad.aggregators.base import ExampleStatistics
 from pergrad.backend import adapter
@@ -163,17 +163,19 @@ def _from_gradients(gradients, gsnr: bool):
 
 
 def batch_values(request: DiagnosticsRequest, problem, trainable_values, non_trainable_values, x, y=None,
-                 sample_weight=None, per_example=None) -> dict:
+                 sample_weight=None, per_example=None, layers=None, batch_sum=None) -> dict:
     """``request``'s diagnostics of a batch (``keras.ops``; called inside the train step).
 
-    From the statistics path's capture (one forward and one backward pass, every
-    planned call's ``A`` and ``D``): squared norms, ``sum_i g_i`` (a weighted sum with
-    weights one) and ``sum_i g_i^2`` by the layer rules. From ``per_example``
-    gradients where the step materialized them, or materialized here for a model
-    the statistics path cannot take (logged once).
+    From the statistics path's capture (every planned call's ``A`` and ``D``):
+    squared norms, ``sum_i g_i`` (a weighted sum with weights one, unless the step
+    gives it: ``batch_sum``) and ``sum_i g_i^2`` by the layer rules. The capture is
+    the step's own where it made one (``layers``: a statistics rule's pass, or
+    ``mean``'s backward pass with the probes), else one more forward and backward
+    pass. From ``per_example`` gradients where the step materialized them, or
+    materialized here for a model the statistics path cannot take (logged once).
     """
     variables = problem.model.trainable_variables
-    if per_example is None:
+    if per_example is None and layers is None:
         batched, batch_size, non_trainable, _ = problem.batched_inputs(
             non_trainable_values, x, y, sample_weight
         )
@@ -183,12 +185,13 @@ def batch_values(request: DiagnosticsRequest, problem, trainable_values, non_tra
         except Unsupported as error:
             warn_once(problem, f"diagnostics use every per-example gradient: {error}")
             per_example, _ = problem.compute(trainable_values, non_trainable_values, x, y, sample_weight)
-        else:
-            norms, scale = layers.squared_norms(batch_size)
-            squared = ExampleStatistics(norms, scale=scale).flat_squared_norms
-            sums = layers.weighted_sums(ops.ones_like(squared), variables)
-            sum_squares = layers.sum_grad_squared(variables) if request.gsnr else None
-            return request.values(squared, sums, sum_squares, variables)
+    if layers is not None:
+        batch_size = ops.shape(tree.flatten(x)[0])[0]
+        norms, scale = layers.squared_norms(batch_size)
+        squared = ExampleStatistics(norms, scale=scale).flat_squared_norms
+        sums = batch_sum if batch_sum is not None else layers.weighted_sums(ops.ones_like(squared), variables)
+        sum_squares = layers.sum_grad_squared(variables) if request.gsnr else None
+        return request.values(squared, sums, sum_squares, variables)
     return request.values(*_from_gradients(per_example, request.gsnr), variables)
 
 

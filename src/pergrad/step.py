@@ -150,7 +150,8 @@ def run_engine(wrapper, plan: ReplicaPlan, trainable_values, non_trainable_value
         try:
             if chunked.supports(aggregator):
                 result, aux = statistics.aggregate(
-                    *inputs, loss_scale=plan.engine_scale, gathered=plan.gathered
+                    *inputs, loss_scale=plan.engine_scale, gathered=plan.gathered,
+                    keep_layers=wrapper._diagnostics_request() is not None,
                 )
             else:
                 result, aux = streaming.aggregate(
@@ -284,7 +285,7 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
         from pergrad.diagnostics import batch_values
 
         values = batch_values(request, wrapper._problem(), trainable_values, non_trainable_values, x, y,
-                              sample_weight, per_example)
+                              sample_weight, per_example, aux.get("layers"), aux.get("batch_sum"))
         wrapper._keep_reports({**(wrapper._take_reports() or {}), **values})
     y_pred = aux["y_pred"]
     if "mask" in aux:
