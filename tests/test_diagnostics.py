@@ -82,13 +82,12 @@ def _fit(problem, aggregator="mean", callbacks=(), path="auto", epochs=2):
     return wrapper, history
 
 
-@pytest.mark.parametrize("path", ["auto", "materialized"])
-def test_fit_logs_the_step_batch_diagnostics(path):
+def test_fit_logs_the_step_batch_diagnostics():
     problem = _compiled("dense_mlp")
     first = problem.x[:3], problem.y[:3], problem.sample_weight[:3]
     expected = batch_diagnostics(problem.model, *first, threshold=3.0)
     callback = GradientDiagnostics(threshold=3.0, smoothing=0.5)
-    _, history = _fit(problem, "mean", [keras.callbacks.CSVLogger("/dev/null"), callback], path)
+    _, history = _fit(problem, "mean", [keras.callbacks.CSVLogger("/dev/null"), callback])
     # Before the first update: the first batch at the initial weights.
     for key, value in expected.items():
         np.testing.assert_allclose(callback.history[key][0], value, rtol=1e-5, atol=1e-7, err_msg=key)
@@ -112,19 +111,29 @@ def test_fit_logs_the_step_batch_diagnostics(path):
 @pytest.mark.parametrize("aggregator", ["mean", "clip", "median"])
 def test_training_is_unchanged(aggregator, monkeypatch):
     rule = (lambda: pergrad.aggregators.clip(1.0)) if aggregator == "clip" else lambda: aggregator
-    plain, _ = _fit(_compiled("dense_mlp"), rule())
-    if aggregator != "median":
-        # mean's backward pass (with the probes) and clip's capture serve the diagnostics:
-        # no second pass. The streaming path's capture is consumed by the rule: one more.
-        def second_pass(*args, **kwargs):
-            raise AssertionError("the diagnostics ran a capture of their own")
+    # median on the materialized path: the diagnostics from the step's per-example gradients.
+    path = "materialized" if aggregator == "median" else "auto"
+    plain, _ = _fit(_compiled("dense_mlp"), rule(), path=path)
+    # mean's backward pass (with the probes) and clip's capture serve the diagnostics:
+    # no capture of their own.
+    def second_pass(*args, **kwargs):
+        raise AssertionError("the diagnostics ran a capture of their own")
 
+    monkeypatch.setattr(diagnostics, "layers_of", second_pass)
+    problem = _compiled("dense_mlp")
+    if aggregator == "median":
+        monkeypatch.undo()
+        first = problem.x[:3], problem.y[:3], problem.sample_weight[:3]
+        expected = batch_diagnostics(problem.model, *first, threshold=1.0)
         monkeypatch.setattr(diagnostics, "layers_of", second_pass)
     callback = GradientDiagnostics(every_n_steps=3, threshold=1.0)
-    watched, _ = _fit(_compiled("dense_mlp"), rule(), [callback])
+    watched, _ = _fit(problem, rule(), [callback], path=path)
     for a, b in zip(plain.model.get_weights(), watched.model.get_weights()):
         assert np.array_equal(a, b)  # bit for bit
     assert callback.history["step"] == [0, 3]
+    if aggregator == "median":
+        for key, value in expected.items():
+            np.testing.assert_allclose(callback.history[key][0], value, rtol=1e-5, atol=1e-7, err_msg=key)
 
 
 def test_refuses_a_plain_keras_model():
