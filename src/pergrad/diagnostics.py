@@ -240,11 +240,13 @@ class GradientDiagnostics(keras.callbacks.Callback):
     """Logs per-example gradient diagnostics of a ``PerExampleModel`` during ``fit()``.
 
     Every ``every_n_steps`` train steps, the step computes the diagnostics of its
-    batch from one extra statistics pass (``pergrad.engine.statistics``'s capture:
-    a forward and a backward pass with probes, no ``B x P`` tensor for layers with
-    rules), before the update and whatever the aggregator: the update itself is
-    computed as without the callback (with ``mean``, bit for bit). Steps in between
-    run the model's plain train function (no cost).
+    batch, at its weights before the update and whatever the aggregator, from a
+    capture of the statistics path (every layer's ``A`` and ``D``: no ``B x P``
+    tensor for layers with rules): the one its update made (statistics rules;
+    ``mean`` and ``sum``, whose backward pass then takes the probes too), else one
+    more forward and backward pass. The update is computed as without the callback
+    (with ``mean``, bit for bit). Steps in between run the model's plain train
+    function (no cost).
 
     What is logged (docs/diagnostics.md):
 
