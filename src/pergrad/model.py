@@ -233,6 +233,14 @@ class PerExampleModel(_TrainStep, keras.Model):
     def _take_reports(self):
         return self.__dict__.get("_pending_reports", {}).pop(threading.get_ident(), None)
 
+    def _diagnostics_request(self):
+        """The ``pergrad.diagnostics.DiagnosticsRequest`` the train step computes, or ``None``."""
+        return self.__dict__.get("_diagnostics")
+
+    def _set_diagnostics_request(self, request) -> None:
+        # Set by GradientDiagnostics around the steps it asks for (not tracked by Keras).
+        self.__dict__["_diagnostics"] = request
+
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
         # Diagnostics come from the train step that just ran, never from evaluation.
         reports = self._take_reports()
@@ -242,6 +250,8 @@ class PerExampleModel(_TrainStep, keras.Model):
         logs = super().compute_metrics(x, y, y_pred, sample_weight)
         if reports is None:
             logs = {k: v for k, v in logs.items() if k not in self.aggregator.diagnostics}
+        else:  # a step's gradient diagnostics (pergrad.diagnostics), as they are
+            logs.update({k: v for k, v in reports.items() if k not in self.aggregator.diagnostics})
         return logs
 
     # -- the per-example step, written once for every backend ------------------------
@@ -300,8 +310,13 @@ class PerExampleModel(_TrainStep, keras.Model):
         return x
 
     def fit(self, x=None, y=None, *args, **kwargs):
+        from pergrad.diagnostics import diagnostics_first
         from pergrad.privacy.sampling import PoissonSampler
 
+        if len(args) > 3:  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+            args = (*args[:3], diagnostics_first(args[3]), *args[4:])
+        elif "callbacks" in kwargs:
+            kwargs["callbacks"] = diagnostics_first(kwargs["callbacks"])
         callbacks = args[3] if len(args) > 3 else kwargs.get("callbacks")
         if replicas.count(self) > 1:
             from pergrad.privacy.callbacks import check_budget_on_replicas

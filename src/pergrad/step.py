@@ -177,7 +177,8 @@ def run_engine(wrapper, plan: ReplicaPlan, trainable_values, non_trainable_value
         try:
             if chunked.supports(aggregator):
                 result, aux = statistics.aggregate(
-                    *inputs, loss_scale=plan.engine_scale, gathered=plan.gathered
+                    *inputs, loss_scale=plan.engine_scale, gathered=plan.gathered,
+                    keep_layers=wrapper._diagnostics_request() is not None,
                 )
             else:
                 result, aux = streaming.aggregate(
@@ -318,6 +319,13 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
             aggregator.pop_units()
     result = combine_replicas(wrapper, plan, result)
     result = post_process(wrapper, plan, result, per_example, aux, trainable_values)
+    request = wrapper._diagnostics_request()
+    if request is not None:  # pergrad.diagnostics: logged with the rule's diagnostics
+        from pergrad.diagnostics import batch_values
+
+        values = batch_values(request, wrapper._problem(), trainable_values, non_trainable_values, x, y,
+                              sample_weight, per_example, aux.get("layers"), aux.get("batch_sum"))
+        wrapper._keep_reports({**(wrapper._take_reports() or {}), **values})
     y_pred = aux["y_pred"]
     if "mask" in aux:
         compat.set_mask(tree.flatten(y_pred)[0], aux["mask"])

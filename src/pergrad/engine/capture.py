@@ -17,7 +17,8 @@ from pergrad.engine.plan import Interceptor, Unsupported, is_tensor
 from pergrad.tensors import is_float
 
 
-def capture(problem, plan, trainable_values, batched, shared, batch_size):
+def capture(problem, plan, trainable_values, batched, shared, batch_size, loss_scale=None,
+            with_variables=False):
     """The forward pass with probes and the one backward pass: ``(captured, deltas, aux, batched)``.
 
     For a model that draws no random numbers and whose planned calls all have
@@ -28,6 +29,12 @@ def capture(problem, plan, trainable_values, batched, shared, batch_size):
     runs alone (its own random stream; the fallback needs each example's call as it
     was; an output shared by the batch needs each example's own probe).
     ``batched`` says which: captured tensors and deltas then have no batch-of-one axis.
+
+    With ``with_variables`` (``plan.whole_batch`` only), the same backward pass is that
+    of the batch loss times ``loss_scale``, Keras's own, differentiated with respect to
+    the variables too: ``aux["gradients"]`` holds that gradient (the probes add zeros and
+    pass their output gradient on unchanged, so it is the plain one), and the deltas
+    are the probes' gradients times ``B`` (``loss_scale`` left in them).
     """
     model = problem.model
     whole_batch = plan.whole_batch
@@ -81,23 +88,40 @@ def capture(problem, plan, trainable_values, batched, shared, batch_size):
         )
         return weighted_losses(problem, losses, aux, None, batch_size), aux
 
-    def batch_total(probe_values):
+    def batch_pass(values, probe_values):
         captured = [None] * len(plan.calls)
         with intercepted(grouped(probe_values), captured):
             loss, y_pred, masks, _ = problem.batch_loss(
-                constants, shared["non_trainable"], batched["x"], batched.get("y"),
+                values, shared["non_trainable"], batched["x"], batched.get("y"),
                 batched.get("sample_weight"),
             )
         aux = {"y_pred": y_pred, "seeds": [], "captured": captured}
         if masks:
             aux["mask"] = masks[0]
+        return loss, aux
+
+    def batch_total(probe_values):
+        loss, aux = batch_pass(constants, probe_values)
         factor = ops.cast(batch_size, "float32")
         if shared.get("loss_scale") is not None:
             factor = factor * ops.cast(shared["loss_scale"], "float32")
         return ops.cast(loss, "float32") * factor, aux
 
-    deltas, aux = grad_with_aux(batch_total if whole_batch else total,
-                                 [p for group in probes for p in group])
+    flat_probes = [p for group in probes for p in group]
+    if with_variables:
+        count = len(trainable_values)
+
+        def joint_total(params):  # as statistics._batch_loss_gradient's, with the probes
+            loss, aux = batch_pass(params[:count], params[count:])
+            scaled = loss if loss_scale is None else loss * ops.cast(loss_scale, loss.dtype)
+            return ops.cast(scaled, "float32"), aux
+
+        gradients, aux = grad_with_aux(joint_total, list(trainable_values) + flat_probes)
+        aux["gradients"] = gradients[:count]
+        size = ops.cast(batch_size, "float32")
+        deltas = [d * ops.cast(size, d.dtype) for d in gradients[count:]]
+        return aux.pop("captured"), grouped(deltas), aux, whole_batch
+    deltas, aux = grad_with_aux(batch_total if whole_batch else total, flat_probes)
     return aux.pop("captured"), grouped(deltas), aux, whole_batch
 
 

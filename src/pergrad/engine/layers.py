@@ -349,6 +349,25 @@ class Layers:
         return total
 
     @_in_context
+    def sum_grad_squared(self, variables):
+        """``sum_i g_i ** 2`` per coordinate of every variable (float32, the variables'
+        shapes; zeros for a variable no call reads): the rule's formula
+        (:meth:`~pergrad.layer_rules.LayerRule.sum_grad_squared`) or the squares of the
+        call's per-example gradients; a variable several calls read, from their
+        per-example gradients summed."""
+
+        def from_rows(rows):
+            return [ops.sum(r * r, axis=0) for r in rows]
+
+        out = [None] * self.count
+        for call, parts in self._per_call("sum_grad_squared", from_rows):
+            for v, part in zip(call.variables, parts):
+                out[self.index_of[id(v)]] = ops.reshape(ops.cast(part, "float32"), v.shape)
+        for k, rows in self._shared_variables().items():
+            out[k] = ops.reshape(ops.sum(rows * rows, axis=0), variables[k].shape)
+        return [ops.zeros(v.shape, "float32") if s is None else s for s, v in zip(out, variables)]
+
+    @_in_context
     def weighted_sums(self, weights, variables):
         """``sum_i w_i g_i`` for every variable; ``weights`` ``(B,)`` or ``(B, V)``.
 

@@ -83,11 +83,15 @@ def _draws_random(problem, trainable_values, batched, shared) -> bool:
 
 
 def _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, batched, loss_scale,
-                         batch_size):
+                         batch_size, layers_plan=None):
     """``mean`` and ``sum`` of a model that draws no random numbers: the gradient of the
     batch loss Keras itself differentiates, which is ``mean_i g_i`` by the definition of
     ``L_i`` (docs/architecture.md, 'Per-example gradients'). With randomness, each
-    example draws from its own stream (``_direct``), as on the other paths."""
+    example draws from its own stream (``_direct``), as on the other paths.
+
+    With ``layers_plan`` (a plan whose calls one batched pass captures), the same backward
+    pass also gives every planned call's ``D``: ``aux["layers"]`` holds the batch's
+    :class:`~pergrad.engine.layers.Layers` (for ``pergrad.diagnostics``)."""
 
     def total(values):
         loss, y_pred, masks, _ = problem.batch_loss(
@@ -99,7 +103,15 @@ def _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, b
         scaled = loss if loss_scale is None else loss * ops.cast(loss_scale, loss.dtype)
         return ops.cast(scaled, "float32"), aux
 
-    result, aux = grad_with_aux(total, list(trainable_values))
+    if layers_plan is None:
+        result, aux = grad_with_aux(total, list(trainable_values))
+    else:
+        shared = {"non_trainable": non_trainable, "loss_scale": None}
+        captured, deltas, aux, _ = capture(problem, layers_plan, trainable_values, batched, shared,
+                                           batch_size, loss_scale=loss_scale, with_variables=True)
+        result = aux.pop("gradients")
+        aux["layers"] = _layers(problem, layers_plan, captured, deltas, trainable_values, non_trainable,
+                                _unscale(loss_scale), True)
     factor = None  # (skipped when 1: every op costs on an eager backend)
     if loss_scale is not None:
         factor = 1.0 / ops.cast(loss_scale, "float32")
@@ -109,6 +121,10 @@ def _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, b
     variables = problem.model.trainable_variables
     if factor is not None:
         result = [g * ops.cast(factor, g.dtype) for g in result]
+    if layers_plan is not None:  # sum_i g_i, which the diagnostics read
+        size = ops.cast(batch_size, "float32")
+        aux["batch_sum"] = result if aggregator.distribution == LOCAL_SUM else [
+            ops.cast(g, "float32") * size for g in result]
     stats = ExampleStatistics(ops.zeros((batch_size, len(variables)), "float32"))
     return aggregator.finalize(result, stats), aux
 
@@ -127,12 +143,17 @@ def layers_of(problem, trainable_values, batched, shared, batch_size, inverse):
     _log_fallback(problem, plan)
     captured, deltas, aux, whole_batch = capture(problem, plan, trainable_values, batched, shared,
                                                   batch_size)
-    model = problem.model
-    context = (list(zip(model.non_trainable_variables, shared["non_trainable"]))
-               + list(zip(model.trainable_variables, trainable_values)))
-    layers = Layers(plan, captured, deltas, list(trainable_values), model.trainable_variables, inverse,
-                    whole_batch, context)
+    layers = _layers(problem, plan, captured, deltas, trainable_values, shared["non_trainable"], inverse,
+                     whole_batch)
     return layers, aux
+
+
+def _layers(problem, plan, captured, deltas, trainable_values, non_trainable, inverse, whole_batch):
+    model = problem.model
+    context = (list(zip(model.non_trainable_variables, non_trainable))
+               + list(zip(model.trainable_variables, trainable_values)))
+    return Layers(plan, captured, deltas, list(trainable_values), model.trainable_variables, inverse,
+                  whole_batch, context)
 
 
 def prepare(problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale):
@@ -147,8 +168,17 @@ def prepare(problem, aggregator, non_trainable_values, x, y, sample_weight, loss
     return batched, batch_size, non_trainable, shared, _unscale(example_loss_scale)
 
 
+def _whole_batch_plan(problem, trainable_values, batched, shared):
+    """The plan, when one batched pass captures every planned call (else ``None``)."""
+    try:
+        plan = cached_plan(problem, trainable_values, batched, shared)
+    except Unsupported:
+        return None
+    return plan if plan.whole_batch else None
+
+
 def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=None,
-              sample_weight=None, loss_scale=None, gathered=False):
+              sample_weight=None, loss_scale=None, gathered=False, keep_layers=False):
     """A statistics rule's result over the batch, without per-example gradients of the model.
 
     Args and returns as :func:`pergrad.engine.chunked.aggregate`: ``(result, aux)``,
@@ -157,6 +187,9 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     With ``gathered`` (a replica of several, ``pergrad.replicas``), the weights come
     from the statistics of the whole batch (norms all-gathered; for a Gram rule, each
     layer's ``A`` and ``D``) and ``result`` is this replica's examples' part of the sum.
+    With ``keep_layers``, ``aux["layers"]`` holds the batch's
+    :class:`~pergrad.engine.layers.Layers` where the rule's pass made them (a rule that
+    reads statistics; ``mean`` and ``sum`` where one batched pass captures every call).
     Raises :class:`Unsupported` when the model needs the materialized path.
     """
     batched, batch_size, non_trainable, shared, inverse = prepare(
@@ -165,8 +198,9 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     variables = problem.model.trainable_variables
     # Every example weighs the same (reads_statistics): Keras's own batch gradient.
     if not aggregator.reads_statistics and not _draws_random(problem, trainable_values, batched, shared):
+        plan = _whole_batch_plan(problem, trainable_values, batched, shared) if keep_layers else None
         return _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, batched,
-                                    loss_scale, batch_size)
+                                    loss_scale, batch_size, plan)
 
     def local(weights):
         return replicas.local_rows(weights, batch_size) if gathered else weights
@@ -196,7 +230,10 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     stats = ExampleStatistics(norms, gram, scale=scale)
     weights = ops.stop_gradient(aggregator.example_weights(stats))
     result = layers.weighted_sums(local(weights), variables)
-    return aggregator.finalize(result, stats), finish_aux(problem, aux, non_trainable)
+    out = finish_aux(problem, aux, non_trainable)
+    if keep_layers:
+        out["layers"] = layers
+    return aggregator.finalize(result, stats), out
 
 
 def statistics(problem, trainable_values, non_trainable_values, x, y=None, sample_weight=None,

@@ -237,6 +237,17 @@ class LayerRule:
         rows = [example_rows(g) for g in self.per_example(layer, values, inputs, delta)]
         return sum(ops.matmul(r, ops.transpose(r)) for r in rows)
 
+    def sum_grad_squared(self, layer, values, inputs, delta) -> list:
+        """``sum_i g_i ** 2`` per coordinate, one tensor of each variable's shape.
+
+        The per-coordinate second moment of the batch's gradients (BackPACK's
+        ``SumGradSquared``; Dangel, Kunstner, Hennig, ICLR 2020), which the gradient
+        signal-to-noise ratio needs (``pergrad.diagnostics``). By default from
+        :meth:`per_example`; ``Dense`` without a sequence axis and ``Embedding``
+        override it with formulas in ``A`` and ``D``.
+        """
+        return [ops.sum(ops.square(g), axis=0) for g in self.per_example(layer, values, inputs, delta)]
+
     def weighted_sum(self, layer, values, inputs, delta, weights) -> list:
         """``sum_i w_i g_i`` per variable; ``weights`` holds one ``(B,)`` tensor per variable."""
         out = []

@@ -233,6 +233,22 @@ class DenseRule(PreActivationRule):
             total = total + dd
         return total
 
+    def sum_grad_squared(self, layer, values, inputs, delta) -> list:
+        # One position per example: the kernel's g_i is a_i ⊗ d_i, whose squares sum
+        # to (A^2)^T (D^2) (one matmul); over a sequence g_i sums several products and
+        # must be formed (the default).
+        if sequence_positions(inputs) != 1:
+            return super().sum_grad_squared(layer, values, inputs, delta)
+        out = []
+        for a, d in self._pieces(layer, values, inputs, delta):
+            d = ops.reshape(d, (ops.shape(d)[0], -1))
+            if a is None:
+                out.append(ops.reshape(ops.sum(ops.square(d), axis=0), tuple(layer.bias.shape)))
+                continue
+            a = ops.reshape(a, (ops.shape(a)[0], -1))
+            out.append(ops.matmul(ops.transpose(ops.square(a)), ops.square(d)))
+        return out
+
     def weighted_sum(self, layer, values, inputs, delta, weights) -> list:
         return [_bias_weighted_sum(d, w) if a is None else outer_weighted_sum(a, d, w)
                 for (a, d), w in zip(self._pieces(layer, values, inputs, delta), weights)]

@@ -97,6 +97,18 @@ class EmbeddingRule(OutputRule):
         same = ops.cast(ops.equal(ids[:, None, :, None], ids[None, :, None, :]), d.dtype)
         return ops.sum(same * ops.einsum("ato,bso->abts", d, d), axis=(2, 3))
 
+    def sum_grad_squared(self, layer, values, inputs, delta) -> list:
+        # Row v of example i's gradient is S_iv = sum of D_it over its tokens t with id v.
+        # Each token t holds its group's sum (token pairs with equal ids) and adds
+        # S^2 / (the group's size) to row I_it: every group counts once, and no
+        # B x vocabulary x d tensor is formed.
+        ids, d = _flat(inputs, delta)
+        same = ops.cast(ops.equal(ids[:, :, None], ids[:, None, :]), d.dtype)
+        group_sums = ops.einsum("bts,bsq->btq", same, d)
+        shares = ops.square(group_sums) / ops.sum(same, axis=2)[:, :, None]
+        rows = ops.reshape(shares, (-1, ops.shape(d)[-1]))
+        return [ops.segment_sum(rows, ops.reshape(ids, (-1,)), num_segments=self.rows(layer))]
+
     def weighted_sum(self, layer, values, inputs, delta, weights) -> list:
         ids, d = _flat(inputs, delta)
         rows = ops.reshape(d * weights[0][:, None, None], (-1, ops.shape(d)[-1]))
@@ -191,6 +203,11 @@ if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras >= 3.13; keras-hub's s
             batch = ops.shape(delta)[0]
             h, d = ops.reshape(inputs, (batch, -1)), ops.reshape(delta, (batch, -1))
             return ops.matmul(h, ops.transpose(h)) * ops.matmul(d, ops.transpose(d))
+
+        def sum_grad_squared(self, layer, values, inputs, delta) -> list:
+            if not _reverse(inputs, delta):
+                return super().sum_grad_squared(layer, values, inputs, delta)
+            return LayerRule.sum_grad_squared(self, layer, values, inputs, delta)
 
         def weighted_sum(self, layer, values, inputs, delta, weights) -> list:
             if not _reverse(inputs, delta):

@@ -1,0 +1,385 @@
+"""Training diagnostics from per-example gradients, during ``fit()`` (docs/diagnostics.md).
+
+Three families of quantities, computed inside the train step from one statistics
+pass (each layer's input ``A`` and output gradient ``D``: no ``B x P`` tensor for
+layers with rules) whatever the model's aggregator, ``mean`` included:
+
+- the distribution of the per-example gradient norms ``||g_i||`` (quantiles, the
+  fraction above a threshold);
+- the gradient noise scale ``B_simple = tr(Σ) / |G|^2`` (McCandlish, Kaplan,
+  Amodei et al. 2018, "An empirical model of large-batch training", App. A), from
+  the unbiased estimators of ``|G|^2`` and ``tr(Σ)`` that the per-example squared
+  norms and the squared norm of the batch mean give within one batch, smoothed by
+  exponential moving averages of the two separately;
+- the gradient signal-to-noise ratio per variable (Liu et al. 2020,
+  "Understanding why neural networks generalize well through GSNR of
+  parameters"): ``mean_i(g)^2 / var_i(g)`` per coordinate, averaged over the
+  variable's coordinates, from ``sum_i g_i`` and the layer rules' per-coordinate
+  ``sum_i g_i^2`` (:meth:`pergrad.layer_rules.LayerRule.sum_grad_squared`).
+
+:class:`GradientDiagnostics` is the Keras callback; :func:`batch_diagnostics`
+computes the same values on one batch outside ``fit()``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import keras
+from keras import ops, tree
+
+from pergrad.aggregators.base import ExampleStatistics
+from pergrad.backend import adapter
+from pergrad.engine.plan import Unsupported
+from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
+from pergrad.engine.statistics import layers_of
+from pergrad.layer_rules.base import replaced_attribute
+from pergrad.log import warn_once
+from pergrad.tensors import example_rows
+
+__all__ = [
+    "DiagnosticsRequest",
+    "GradientDiagnostics",
+    "batch_diagnostics",
+    "diagnostics_first",
+    "noise_scale_estimates",
+]
+
+#: The raw keys of the noise-scale estimators (one batch), and the batch size.
+SQUARED_NORM, TRACE, EXAMPLES = "gradient_sq_norm", "gradient_variance", "examples"
+NOISE_SCALE = "noise_scale"
+
+
+@dataclass(frozen=True)
+class DiagnosticsRequest:
+    """Which per-batch diagnostics a train step computes (``GradientDiagnostics`` sets one).
+
+    Args:
+        quantiles: quantiles of the per-example gradient norms, in ``[0, 1]``.
+        threshold: also the fraction of examples whose gradient norm exceeds it
+            (``None``: not computed).
+        noise_scale: the estimators of ``|G|^2`` and ``tr(Σ)``.
+        gsnr: the gradient signal-to-noise ratio of every trainable variable.
+    """
+
+    quantiles: tuple = (0.1, 0.5, 0.9)
+    threshold: float | None = None
+    noise_scale: bool = True
+    gsnr: bool = True
+
+    def __post_init__(self):
+        quantiles = tuple(float(q) for q in self.quantiles)
+        if any(not 0.0 <= q <= 1.0 for q in quantiles):
+            raise ValueError(f"quantiles must lie in [0, 1]; got {self.quantiles!r}.")
+        object.__setattr__(self, "quantiles", quantiles)
+        if self.threshold is not None and not (self.threshold >= 0 and math.isfinite(self.threshold)):
+            raise ValueError(f"threshold must be a finite number >= 0 or None; got {self.threshold!r}.")
+
+    def quantile_key(self, q: float) -> str:
+        return f"grad_norm_p{100 * q:g}"
+
+    def threshold_key(self) -> str:
+        return f"grad_norm_above_{self.threshold:g}"
+
+    def values(self, per_example_squared_norms, sums, sum_squares, variables) -> dict:
+        """The diagnostics of one batch (scalar tensors by key) from ``(B,)`` squared norms,
+        each variable's ``sum_i g_i`` and (for ``gsnr``) ``sum_i g_i^2``."""
+        squared = ops.cast(per_example_squared_norms, "float32")
+        size = ops.cast(ops.shape(squared)[0], "float32")
+        out = {EXAMPLES: size}
+        norms = ops.sqrt(squared)
+        for q in self.quantiles:
+            out[self.quantile_key(q)] = ops.quantile(norms, q)
+        if self.threshold is not None:
+            out[self.threshold_key()] = ops.mean(ops.cast(norms > self.threshold, "float32"))
+        if self.noise_scale:
+            mean_squared = ops.mean(squared)
+            batch_squared = sum(ops.sum(ops.square(ops.cast(s, "float32") / size)) for s in sums)
+            out[SQUARED_NORM], out[TRACE] = noise_scale_estimates(mean_squared, batch_squared, size)
+        if self.gsnr:
+            sum_squares = [ops.cast(q, "float32") for q in sum_squares]
+            largest = ops.max(ops.stack([ops.max(q) for q in sum_squares]))
+            ratios, counts = 0.0, 0.0
+            for name, s, q in zip(variable_keys(variables), sums, sum_squares):
+                ratio, count = _gsnr_parts(ops.cast(s, "float32"), q, size, largest)
+                out[f"gsnr/{name}"] = ratio / count
+                ratios, counts = ratios + ratio, counts + count
+            out["gsnr"] = ops.convert_to_tensor(ratios, "float32") / counts
+        return out
+
+
+def noise_scale_estimates(mean_squared_norm, batch_squared_norm, batch_size):
+    """``(|G|^2, tr(Σ))`` estimated without bias from one batch of ``B`` examples.
+
+    With ``E ||g_i||^2 = |G|^2 + tr(Σ)`` (batch of one) and
+    ``E ||mean_i g_i||^2 = |G|^2 + tr(Σ) / B`` (McCandlish et al. 2018, App. A.1,
+    ``B_small = 1``, ``B_big = B``):
+    ``|G|^2 ≈ (B ||G_B||^2 - mean_i ||g_i||^2) / (B - 1)`` and
+    ``tr(Σ) ≈ (mean_i ||g_i||^2 - ||G_B||^2) B / (B - 1)``. NaN for ``B = 1``.
+    """
+    size = ops.cast(batch_size, "float32")
+    denominator = size - 1.0
+    squared = (size * batch_squared_norm - mean_squared_norm) / denominator
+    trace = (mean_squared_norm - batch_squared_norm) * size / denominator
+    return squared, trace
+
+
+#: Coordinates whose root-mean-square gradient is below this fraction of the model's largest
+#: are zero to float32 precision (the bias of attention keys, which softmax ignores): their
+#: mean and variance are rounding noise, and they have no GSNR.
+NEGLIGIBLE_GRADIENT = 1e-5
+
+
+def _gsnr_parts(sums, sum_squares, size, largest_sum_squares):
+    """``(sum of mean^2 / var, count)`` over the coordinates whose gradient varies across the
+    batch (``var > 0``; the batch's variance, ``1 / B``) and is not negligible
+    (:data:`NEGLIGIBLE_GRADIENT`): a coordinate no example's gradient moves (an embedding
+    row no token selects) has no ratio."""
+    mean = sums / size
+    variance = ops.maximum(sum_squares / size - ops.square(mean), 0.0)
+    varies = (variance > 0) & (sum_squares > NEGLIGIBLE_GRADIENT**2 * largest_sum_squares)
+    ratio = ops.where(varies, ops.square(mean) / ops.where(varies, variance, 1.0), 0.0)
+    return ops.sum(ratio), ops.sum(ops.cast(varies, "float32"))
+
+
+def variable_keys(variables) -> list[str]:
+    """The variables' paths, made unique (``name``, ``name_1``, ...) for the logs."""
+    keys, seen = [], {}
+    for v in variables:
+        path = getattr(v, "path", None) or v.name
+        count = seen.get(path, 0)
+        seen[path] = count + 1
+        keys.append(path if count == 0 else f"{path}_{count}")
+    return keys
+
+
+def _from_gradients(gradients, gsnr: bool):
+    rows = [example_rows(g, "float32") for g in gradients]
+    squared = sum(ops.sum(r * r, axis=1) for r in rows)
+    sums = [ops.sum(ops.cast(g, "float32"), axis=0) for g in gradients]
+    sum_squares = [ops.sum(ops.square(ops.cast(g, "float32")), axis=0) for g in gradients] if gsnr else None
+    return squared, sums, sum_squares
+
+
+def batch_values(request: DiagnosticsRequest, problem, trainable_values, non_trainable_values, x, y=None,
+                 sample_weight=None, per_example=None, layers=None, batch_sum=None) -> dict:
+    """``request``'s diagnostics of a batch (``keras.ops``; called inside the train step).
+
+    From the statistics path's capture (every planned call's ``A`` and ``D``):
+    squared norms, ``sum_i g_i`` (a weighted sum with weights one, unless the step
+    gives it: ``batch_sum``) and ``sum_i g_i^2`` by the layer rules. The capture is
+    the step's own where it made one (``layers``: a statistics rule's pass, or
+    ``mean``'s backward pass with the probes), else one more forward and backward
+    pass. From ``per_example`` gradients where the step materialized them, or
+    materialized here for a model the statistics path cannot take (logged once).
+    """
+    variables = problem.model.trainable_variables
+    if per_example is None and layers is None:
+        batched, batch_size, non_trainable, _ = problem.batched_inputs(
+            non_trainable_values, x, y, sample_weight
+        )
+        shared = {"non_trainable": non_trainable, "loss_scale": None}
+        try:
+            layers, _ = layers_of(problem, trainable_values, batched, shared, batch_size, None)
+        except Unsupported as error:
+            warn_once(problem, f"diagnostics use every per-example gradient: {error}")
+            per_example, _ = problem.compute(trainable_values, non_trainable_values, x, y, sample_weight)
+    if layers is not None:
+        batch_size = ops.shape(tree.flatten(x)[0])[0]
+        norms, scale = layers.squared_norms(batch_size)
+        squared = ExampleStatistics(norms, scale=scale).flat_squared_norms
+        sums = batch_sum if batch_sum is not None else layers.weighted_sums(ops.ones_like(squared), variables)
+        sum_squares = layers.sum_grad_squared(variables) if request.gsnr else None
+        return request.values(squared, sums, sum_squares, variables)
+    return request.values(*_from_gradients(per_example, request.gsnr), variables)
+
+
+def batch_diagnostics(model, x, y=None, sample_weight=None, *, loss=None, quantiles=(0.1, 0.5, 0.9),
+                      threshold: float | None = None, noise_scale: bool = True, gsnr: bool = True,
+                      training: bool = True) -> dict[str, float]:
+    """The diagnostics of one batch at the model's current weights, as floats by key.
+
+    The values a :class:`GradientDiagnostics` step logs before smoothing (same
+    loss definition and arguments as :func:`pergrad.per_example_gradients`):
+    ``grad_norm_p<100 q>`` per quantile, ``grad_norm_above_<threshold>``,
+    ``gradient_sq_norm`` and ``gradient_variance`` (the unbiased estimators of
+    ``|G|^2`` and ``tr(Σ)``, :func:`noise_scale_estimates`), ``gsnr`` (every
+    coordinate) and ``gsnr/<variable path>``, and ``examples`` (the batch size).
+    """
+    request = DiagnosticsRequest(tuple(quantiles), threshold, noise_scale, gsnr)
+    check_model(model, training)
+    problem = cached_problem(model, loss, training)
+    problem.check_once(x, y)
+    x, y, sample_weight = (map_optional(ops.convert_to_tensor, t) for t in (x, y, sample_weight))
+    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
+    key = ("diagnostics", tuple(map(id, trainable)), tuple(map(id, non_trainable)), request)
+
+    def make():
+        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+            return batch_values(request, problem, trainable_values, non_trainable_values, x, y, sample_weight)
+
+        return (trainable, non_trainable), adapter().compile(pure)
+
+    function = bounded_get(problem.compiled_functions, key, make)[1]
+    values = function([v.value for v in trainable], [v.value for v in non_trainable], x, y, sample_weight)
+    return {k: float(ops.convert_to_numpy(v)) for k, v in values.items()}
+
+
+def diagnostics_first(callbacks):
+    """``callbacks`` (a list or tuple; anything else as it is) with the
+    :class:`GradientDiagnostics` first, in their order, so that the other callbacks
+    (TensorBoard, CSVLogger) see the values they put into the logs."""
+    if not isinstance(callbacks, (list, tuple)):
+        return callbacks
+    ours = [c for c in callbacks if isinstance(c, GradientDiagnostics)]
+    return ours + [c for c in callbacks if not isinstance(c, GradientDiagnostics)]
+
+
+class GradientDiagnostics(keras.callbacks.Callback):
+    """Logs per-example gradient diagnostics of a ``PerExampleModel`` during ``fit()``.
+
+    Every ``every_n_steps`` train steps, the step computes the diagnostics of its
+    batch, at its weights before the update and whatever the aggregator, from a
+    capture of the statistics path (every layer's ``A`` and ``D``: no ``B x P``
+    tensor for layers with rules): the one its update made (statistics rules;
+    ``mean`` and ``sum``, whose backward pass then takes the probes too), else one
+    more forward and backward pass. The update is computed as without the callback
+    (with ``mean``, bit for bit). Steps in between run the model's plain train
+    function (no cost).
+
+    What is logged (docs/diagnostics.md):
+
+    - ``grad_norm_p<100 q>`` for each quantile ``q`` of ``||g_i||``, and
+      ``grad_norm_above_<threshold>`` (the fraction of the batch above it);
+    - ``noise_scale``: ``B_simple = EMA(tr Σ) / EMA(|G|^2)`` (McCandlish et al.
+      2018), the two unbiased one-batch estimators smoothed separately with
+      factor ``smoothing`` (the ratio needs no bias correction: both EMAs carry
+      the same factor);
+    - ``gsnr`` and ``gsnr/<variable path>``: the mean over coordinates of
+      ``mean_i(g)^2 / var_i(g)`` (Liu et al. 2020).
+
+    ``History`` (and TensorBoard, CSVLogger...) get per epoch the mean of each value
+    over the epoch's diagnostic steps and the ``noise_scale`` at the epoch's end.
+    With ``progress_bar=True`` the batch logs carry the latest values too (the
+    progress bar shows them; TensorBoard with ``update_freq="batch"`` writes them).
+    ``history`` holds every diagnostic step's values (``history["step"]`` the
+    global step, ``history["examples"]`` the batch size), across ``fit()`` calls.
+
+    ``PerExampleModel.fit`` runs these callbacks before the others, so that every
+    callback sees their values.
+
+    Args:
+        every_n_steps: compute the diagnostics every this many train steps
+            (calls of the train function, with ``steps_per_execution``).
+        quantiles: quantiles of the per-example gradient norms.
+        threshold: also log the fraction of examples above this norm.
+        noise_scale: log the gradient noise scale.
+        gsnr: log the gradient signal-to-noise ratios (one more product per
+            layer: ``(A^2)^T (D^2)`` for a Dense layer).
+        smoothing: the EMA factor of the noise scale's numerator and denominator.
+        progress_bar: also put the latest values into the batch logs.
+    """
+
+    def __init__(self, every_n_steps: int = 1, quantiles=(0.1, 0.5, 0.9), threshold: float | None = None,
+                 noise_scale: bool = True, gsnr: bool = True, smoothing: float = 0.9,
+                 progress_bar: bool = False):
+        super().__init__()
+        if not (isinstance(every_n_steps, int) and every_n_steps >= 1):
+            raise ValueError(f"every_n_steps must be an integer >= 1; got {every_n_steps!r}.")
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing must lie in [0, 1); got {smoothing!r}.")
+        self.request = DiagnosticsRequest(tuple(quantiles), threshold, noise_scale, gsnr)
+        self.every_n_steps, self.smoothing, self.progress_bar = every_n_steps, smoothing, progress_bar
+        self.history: dict[str, list] = {}
+        self._calls = 0
+        self._moving = [0.0, 0.0]  # EMA of tr(Σ), of |G|^2
+        self._functions = None
+        self._epoch: dict[str, list] = {}
+
+    # -- which train function each step runs ---------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        from pergrad.replicas import count
+
+        model = self.model
+        if not hasattr(model, "_set_diagnostics_request"):  # (pergrad.model imports this module)
+            raise TypeError(
+                "GradientDiagnostics needs a pergrad.PerExampleModel (its train step computes "
+                f"the per-example statistics); got {type(model).__name__}. Wrap the model: "
+                "pergrad.PerExampleModel(model, 'mean')."
+            )
+        if count(model) > 1:
+            raise ValueError(
+                "GradientDiagnostics does not support several replicas yet: train on one device."
+            )
+        # fit() made the plain function; the diagnostic one is traced on its first call
+        # (on TF and JAX the request is read when the step is traced, on torch when it runs).
+        plain = model.train_function
+        step = type(model).train_step
+
+        def diagnostic_step(*args):
+            # Its own function object: jax.jit would share the plain step's traces.
+            return step(model, *args)
+
+        with replaced_attribute(model, "train_step", diagnostic_step):
+            model.make_train_function(force=True)  # (Keras's returns nothing on some backends)
+        diagnostic = model.train_function
+        model.train_function = plain
+        self._functions = (plain, diagnostic)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        due = self._calls % self.every_n_steps == 0
+        self._calls += 1
+        model = self.model
+        model._set_diagnostics_request(self.request if due else None)
+        model.train_function = self._functions[1 if due else 0]
+
+    def on_train_end(self, logs=None):
+        if self._functions is not None:
+            self.model._set_diagnostics_request(None)
+            self.model.train_function = self._functions[0]
+            self._functions = None
+
+    # -- the logs -------------------------------------------------------------------------
+
+    def _raw_keys(self, logs) -> list[str]:
+        names = {EXAMPLES, SQUARED_NORM, TRACE, *map(self.request.quantile_key, self.request.quantiles)}
+        if self.request.threshold is not None:
+            names.add(self.request.threshold_key())
+        return [k for k in logs if k in names or k == "gsnr" or k.startswith("gsnr/")]
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs is None:
+            return
+        raw = {k: float(logs.pop(k)) for k in self._raw_keys(logs)}
+        if raw:
+            values = dict(raw)
+            if self.request.noise_scale:
+                beta = self.smoothing
+                trace, squared = values.pop(TRACE), values.pop(SQUARED_NORM)
+                self._moving = [beta * self._moving[0] + (1 - beta) * trace,
+                                beta * self._moving[1] + (1 - beta) * squared]
+                values[NOISE_SCALE] = self._moving[0] / self._moving[1] if self._moving[1] else math.nan
+                values["noise_scale_batch"] = trace / squared if squared else math.nan
+                values[TRACE], values[SQUARED_NORM] = trace, squared
+            self.history.setdefault("step", []).append(self._calls - 1)
+            for k, v in values.items():
+                self.history.setdefault(k, []).append(v)
+                self._epoch.setdefault(k, []).append(v)
+            self._latest = values
+        if self.progress_bar and getattr(self, "_latest", None):
+            logs.update({k: v for k, v in self._latest.items() if k not in (EXAMPLES, TRACE, SQUARED_NORM)})
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = {}
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        for k in self._raw_keys(logs):
+            logs.pop(k)
+        for k, series in self._epoch.items():
+            if k in (EXAMPLES, TRACE, SQUARED_NORM, "noise_scale_batch"):
+                continue
+            logs[k] = series[-1] if k == NOISE_SCALE else sum(series) / len(series)

@@ -1,0 +1,151 @@
+"""Gradient diagnostics (``pergrad.diagnostics``) against a NumPy reference.
+
+The reference is computed in float64 from the materialized per-example gradients
+(``pergrad.per_example_gradients``, itself checked against the batch-of-one
+oracle), on the shared test problems: every quantile, the fraction above a
+threshold, the noise scale's estimators and every variable's GSNR (which reads the
+layer rules' ``sum_grad_squared``). Through ``fit()``: the values logged by the
+train step are those of the batch at the step's weights, they reach ``History``,
+and the update is bit for bit the one without the callback.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import pergrad
+import problems
+from pergrad import diagnostics
+from pergrad.diagnostics import NEGLIGIBLE_GRADIENT, GradientDiagnostics, batch_diagnostics
+
+QUANTILES = (0.0, 0.25, 0.5, 0.9, 1.0)
+# dense, conv, embedding (a repeated token), layer norm, attention (EinsumDense on
+# sequences), and a Dense layer called twice with a layer without a rule and a tied
+# table (shared variables, the fallback).
+NAMES = ["dense_mlp", "conv1d", "embedding", "layer_norm", "attention", "shared_and_fallback"]
+
+
+def reference(gradients, quantiles, threshold):
+    """The diagnostics in NumPy (float64) from per-example gradients."""
+    grads = [np.asarray(keras.ops.convert_to_numpy(g), "float64") for g in gradients]
+    size = grads[0].shape[0]
+    rows = [g.reshape(size, -1) for g in grads]
+    norms = np.sqrt(sum((r * r).sum(axis=1) for r in rows))
+    out = {f"grad_norm_p{100 * q:g}": np.quantile(norms, q) for q in quantiles}
+    out[f"grad_norm_above_{threshold:g}"] = np.mean(norms > threshold)
+    mean_squared = np.mean(norms**2)
+    batch_squared = sum((r.mean(axis=0) ** 2).sum() for r in rows)
+    out["gradient_sq_norm"] = (size * batch_squared - mean_squared) / (size - 1)
+    out["gradient_variance"] = (mean_squared - batch_squared) * size / (size - 1)
+    ratios = []
+    largest = max((r * r).sum(axis=0).max() for r in rows)
+    for r in rows:
+        mean, variance = r.mean(axis=0), r.var(axis=0)
+        varies = (variance > 0) & ((r * r).sum(axis=0) > NEGLIGIBLE_GRADIENT**2 * largest)
+        ratios.append(mean[varies] ** 2 / variance[varies])
+    out["gsnr"] = np.concatenate(ratios).mean()
+    return out, [ratio.mean() if ratio.size else np.nan for ratio in ratios]
+
+
+def _compiled(name):
+    problem = problems.make(name)
+    problem.compile()
+    return problem
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_batch_diagnostics_match_numpy(name):
+    problem = _compiled(name)
+    model = problem.model
+    gradients = pergrad.per_example_gradients(model, problem.x, problem.y, problem.sample_weight)
+    threshold = float(np.mean(reference(gradients, QUANTILES, 0.0)[0]["grad_norm_p50"]))
+    threshold = round(threshold, 3) + 5e-4  # (the key shows it with 6 digits) not a norm
+    values = batch_diagnostics(model, problem.x, problem.y, problem.sample_weight, quantiles=QUANTILES,
+                               threshold=threshold)
+    expected, per_variable = reference(gradients, QUANTILES, threshold)
+    assert 0 < expected[f"grad_norm_above_{threshold:g}"] < 1  # the threshold splits the batch
+    for key, value in expected.items():
+        np.testing.assert_allclose(values[key], value, rtol=2e-4, atol=1e-6, err_msg=key)
+    paths = [v.path for v in model.trainable_variables]
+    for path, value in zip(paths, per_variable):
+        np.testing.assert_allclose(values[f"gsnr/{path}"], value, rtol=2e-4, atol=1e-6, err_msg=path)
+    assert values["examples"] == problem.batch_size
+
+
+def _fit(problem, aggregator="mean", callbacks=(), path="auto", epochs=2):
+    wrapper = pergrad.PerExampleModel(problem.model, aggregator, path=path)
+    wrapper.compile(optimizer=keras.optimizers.SGD(0.1), loss=problem.loss)
+    history = wrapper.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=3,
+                          epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
+    return wrapper, history
+
+
+def test_fit_logs_the_step_batch_diagnostics():
+    problem = _compiled("dense_mlp")
+    first = problem.x[:3], problem.y[:3], problem.sample_weight[:3]
+    expected = batch_diagnostics(problem.model, *first, threshold=3.0)
+    callback = GradientDiagnostics(threshold=3.0, smoothing=0.5)
+    _, history = _fit(problem, "mean", [keras.callbacks.CSVLogger("/dev/null"), callback])
+    # Before the first update: the first batch at the initial weights.
+    for key, value in expected.items():
+        np.testing.assert_allclose(callback.history[key][0], value, rtol=1e-5, atol=1e-7, err_msg=key)
+    assert callback.history["step"] == [0, 1, 2, 3]
+    # The noise scale: the EMAs of the two estimators, each batch's weight 1 - 0.5.
+    trace = np.array(callback.history["gradient_variance"])
+    squared = np.array(callback.history["gradient_sq_norm"])
+    weights = 0.5 ** np.arange(len(trace))[::-1]
+    np.testing.assert_allclose(callback.history["noise_scale"][-1], (weights @ trace) / (weights @ squared),
+                               rtol=1e-6)
+    logs = history.history
+    kernel = problem.model.trainable_variables[0].path
+    for key in ("loss", "grad_norm_p50", "grad_norm_above_3", "noise_scale", "gsnr", f"gsnr/{kernel}"):
+        assert len(logs[key]) == 2, key
+    assert "gradient_variance" not in logs and "examples" not in logs  # raw values stay in .history
+    np.testing.assert_allclose(logs["grad_norm_p50"][1], np.mean(callback.history["grad_norm_p50"][2:]),
+                               rtol=1e-6)
+    np.testing.assert_allclose(logs["noise_scale"][1], callback.history["noise_scale"][-1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("aggregator", ["mean", "clip", "median"])
+def test_training_is_unchanged(aggregator, monkeypatch):
+    rule = (lambda: pergrad.aggregators.clip(1.0)) if aggregator == "clip" else lambda: aggregator
+    # median on the materialized path: the diagnostics from the step's per-example gradients.
+    path = "materialized" if aggregator == "median" else "auto"
+    plain, _ = _fit(_compiled("dense_mlp"), rule(), path=path)
+    # mean's backward pass (with the probes) and clip's capture serve the diagnostics:
+    # no capture of their own.
+    def second_pass(*args, **kwargs):
+        raise AssertionError("the diagnostics ran a capture of their own")
+
+    monkeypatch.setattr(diagnostics, "layers_of", second_pass)
+    problem = _compiled("dense_mlp")
+    if aggregator == "median":
+        monkeypatch.undo()
+        first = problem.x[:3], problem.y[:3], problem.sample_weight[:3]
+        expected = batch_diagnostics(problem.model, *first, threshold=1.0)
+        monkeypatch.setattr(diagnostics, "layers_of", second_pass)
+    callback = GradientDiagnostics(every_n_steps=3, threshold=1.0)
+    watched, _ = _fit(problem, rule(), [callback], path=path)
+    for a, b in zip(plain.model.get_weights(), watched.model.get_weights()):
+        assert np.array_equal(a, b)  # bit for bit
+    assert callback.history["step"] == [0, 3]
+    if aggregator == "median":
+        for key, value in expected.items():
+            np.testing.assert_allclose(callback.history[key][0], value, rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_refuses_a_plain_keras_model():
+    problem = _compiled("dense_mlp")
+    with pytest.raises(TypeError, match="PerExampleModel"):
+        problem.model.fit(problem.x, problem.y, epochs=1, verbose=0, callbacks=[GradientDiagnostics()])
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="every_n_steps"):
+        GradientDiagnostics(every_n_steps=0)
+    with pytest.raises(ValueError, match="quantiles"):
+        GradientDiagnostics(quantiles=(0.5, 2.0))
+    with pytest.raises(ValueError, match="smoothing"):
+        GradientDiagnostics(smoothing=1.0)
