@@ -73,7 +73,7 @@ def _call(fn, x) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rule", default="median", choices=("median", "trimmed_mean", "meamed"))
-    parser.add_argument("--strategies", default="sort,top_k,network,network-1block,ops.median")
+    parser.add_argument("--strategies", default="sort,top_k,backend,network,network-1block,ops.median")
     parser.add_argument("--batches", default="8,64,256")
     parser.add_argument("--sizes", default="4096,200000")
     parser.add_argument("--repeats", type=int, default=5)
