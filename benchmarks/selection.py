@@ -10,7 +10,8 @@ machine's load hits them alike:
 
 JAX runs under ``jax.jit``, TensorFlow under ``tf.function``, torch eagerly, as
 pergrad's training step does. Strategies: ``sort`` (``ops.sort`` over axis 0),
-``top_k`` (``ops.top_k`` over the transposed block), ``network`` (the bitonic
+``top_k`` (``ops.top_k`` over the transposed block), ``backend`` (torch: the
+adapter's NumPy sort; elsewhere ``top_k``), ``network`` (the bitonic
 network in column blocks), ``network-1block`` (the same, unblocked) and, for
 the median only, ``ops.median`` (Keras's own).
 """

@@ -42,3 +42,27 @@ def test_default_strategy_falls_back_to_top_k(monkeypatch):
     monkeypatch.setattr(selection.adapter(), "sorted_ranks", lambda *a: calls.append(a) or None)
     np.testing.assert_allclose(selection.median(x).numpy(), expected, rtol=1e-6)  # by top_k
     assert calls
+
+
+def test_dense_formulas_in_raw_torch_match_the_keras_ops_ones(monkeypatch):
+    from keras import ops
+
+    from pergrad.layer_rules import dense
+
+    rng = np.random.default_rng(2)
+    shapes = ((6, 4), (6, 3), (6,))
+    a, d, w = (ops.convert_to_tensor(rng.standard_normal(s).astype(np.float32)) for s in shapes)
+
+    def formulas():
+        return [ops.convert_to_numpy(t) for t in (
+            dense.outer_squared_norms(a, d), dense.outer_weighted_sum(a, d, w),
+            dense._bias_squared_norms(d), dense._bias_weighted_sum(d, w))]
+
+    fast = formulas()
+    monkeypatch.setattr(dense, "_eager", lambda name: None)
+    for mine, reference in zip(fast, formulas()):
+        np.testing.assert_allclose(mine, reference, rtol=1e-6)
+    # and the closed forms themselves: ||a_i||^2 ||d_i||^2, A^T diag(w) D
+    a, d, w = (ops.convert_to_numpy(t) for t in (a, d, w))
+    np.testing.assert_allclose(fast[0], (a * a).sum(1) * (d * d).sum(1), rtol=1e-5)
+    np.testing.assert_allclose(fast[1], a.T @ (d * w[:, None]), rtol=1e-5, atol=1e-6)
