@@ -10,7 +10,8 @@ machine's load hits them alike:
 
 JAX runs under ``jax.jit``, TensorFlow under ``tf.function``, torch eagerly, as
 pergrad's training step does. Strategies: ``sort`` (``ops.sort`` over axis 0),
-``top_k`` (``ops.top_k`` over the transposed block), ``network`` (the bitonic
+``top_k`` (``ops.top_k`` over the transposed block), ``backend`` (torch: the
+adapter's NumPy sort; elsewhere ``top_k``), ``network`` (the bitonic
 network in column blocks), ``network-1block`` (the same, unblocked) and, for
 the median only, ``ops.median`` (Keras's own).
 """
@@ -73,7 +74,7 @@ def _call(fn, x) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rule", default="median", choices=("median", "trimmed_mean", "meamed"))
-    parser.add_argument("--strategies", default="sort,top_k,network,network-1block,ops.median")
+    parser.add_argument("--strategies", default="sort,top_k,backend,network,network-1block,ops.median")
     parser.add_argument("--batches", default="8,64,256")
     parser.add_argument("--sizes", default="4096,200000")
     parser.add_argument("--repeats", type=int, default=5)

@@ -15,7 +15,7 @@ from keras import ops
 from pergrad.aggregators import selection
 
 BACKEND = keras.backend.backend()
-STRATEGIES = ("sort", "top_k", "network", "unrolled")
+STRATEGIES = ("sort", "top_k", "network", "unrolled", "backend")
 BATCHES = (1, 2, 3, 4, 5, 8, 13, 20)
 
 

@@ -39,6 +39,9 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
   carry under a TF strategy with R replicas.
 - ``fused(fn)`` (TF only): ``fn`` compiled by XLA, for
   ``pergrad.aggregators.selection``'s sorting network.
+- ``sorted_ranks(x, lo, hi)`` (torch only): ranks ``[lo, hi)`` over axis 0 of a
+  ``(B, N)`` tensor by NumPy's sort where it applies (CPU), else ``None``, for
+  ``pergrad.aggregators.selection``.
 - ``random_state()`` / ``set_random_state(state)``: the global generators that
   torch's unseeded random layers draw from (``None`` elsewhere), so that a
   chunk recomputed by ``pergrad.engine.chunked`` draws the same dropout masks.

@@ -42,6 +42,13 @@ def _float32(tensor):
     return ops.cast(tensor, "float32")
 
 
+def _cast(tensor, dtype):
+    """``tensor`` in ``dtype``, without an op where it already is (each op costs on torch)."""
+    if keras.backend.standardize_dtype(tensor.dtype) == keras.backend.standardize_dtype(dtype):
+        return tensor
+    return ops.cast(tensor, dtype)
+
+
 def _scaled_factors(parts):
     """``(parts, scale)``: outer-product pieces of one gradient, all divided by the same
     ``(B,)`` scale with every factor's entries at most one (no product overflows).
@@ -319,7 +326,7 @@ class Layers:
             def keep(indices, value):
                 found, found_scales = value if scaled else (value, [None] * len(value))
                 for k, n, scale in zip(indices, found, found_scales):
-                    norms[k], scales[k] = ops.cast(n, "float32"), scale
+                    norms[k], scales[k] = _float32(n), scale
 
             statistic = "scaled_squared_norms" if scaled else "squared_norms"
             for call, value in self._per_call(statistic, from_rows):
@@ -328,7 +335,7 @@ class Layers:
                 norms[k], scales[k] = n, scale
             zeros, ones = ops.zeros((batch_size,), "float32"), ops.ones((batch_size,), "float32")
             norms = [zeros if n is None else n for n in norms]
-            return norms, [ones if s is None else ops.cast(s, "float32") for s in scales]
+            return norms, [ones if s is None else _float32(s) for s in scales]
 
         def rescaled():
             norms, scales = columns(True)
@@ -376,7 +383,7 @@ class Layers:
 
         def weight(v):
             w = weights if len(weights.shape) == 1 else weights[:, self.index_of[id(v)]]
-            return ops.cast(w, "float32")
+            return _float32(w)
 
         def from_rows(rows, ws):
             return [ops.matmul(w[None, :], r)[0] for r, w in zip(rows, ws)]
@@ -387,9 +394,11 @@ class Layers:
         for call, sums in calls:
             for v, part in zip(call.variables, sums):
                 k = self.index_of[id(v)]
-                part = ops.reshape(ops.cast(part, "float32"), v.shape)
+                part = _float32(part)
+                if tuple(part.shape) != tuple(v.shape):
+                    part = ops.reshape(part, v.shape)
                 out[k] = part if out[k] is None else out[k] + part
         return [
-            ops.zeros(v.shape, v.dtype) if s is None else ops.cast(s, v.dtype)
+            ops.zeros(v.shape, v.dtype) if s is None else _cast(s, v.dtype)
             for s, v in zip(out, variables)
         ]

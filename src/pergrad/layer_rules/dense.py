@@ -25,6 +25,7 @@ import math
 import keras
 from keras import ops
 
+from pergrad.backend import adapter
 from pergrad.layer_rules.base import (
     LayerRule,
     PreActivationRule,
@@ -67,9 +68,18 @@ def outer_per_example(inputs, delta):
     return ops.einsum("bni,bno->bio", a, d)
 
 
+def _eager(name):
+    """The backend adapter's own version of a 2-D formula (torch: raw torch ops, where each
+    Keras op's dispatch costs more than its arithmetic), or ``None``."""
+    return getattr(adapter(), name, None)
+
+
 def outer_squared_norms(inputs, delta):
     """``(B,)``: ``||A_i^T D_i||^2`` by the ghost formula."""
     if len(inputs.shape) == 2:  # the common case, without reshapes (each op costs on torch)
+        fast = _eager("outer_squared_norms_2d")
+        if fast is not None:
+            return fast(inputs, delta)
         return ops.sum(ops.square(inputs), axis=1) * ops.sum(ops.square(delta), axis=1)
     a, d = _flat(inputs, delta)
     if a.shape[1] == 1:
@@ -82,6 +92,9 @@ def outer_squared_norms(inputs, delta):
 def outer_weighted_sum(inputs, delta, weights):
     """``(d_in, d_out)``: ``sum_i w_i A_i^T D_i = (diag(w) A)^T D``."""
     if len(inputs.shape) == 2:
+        fast = _eager("outer_weighted_sum_2d")
+        if fast is not None:
+            return fast(inputs, delta, weights)
         return ops.matmul(ops.transpose(inputs), delta * weights[:, None])
     a, d = _flat(inputs, delta)
     # The weights scale the input side: an LM head's D (B x T x vocabulary) is the larger.
@@ -91,14 +104,16 @@ def outer_weighted_sum(inputs, delta, weights):
 
 def _bias_squared_norms(delta):
     if len(delta.shape) == 2:
-        return ops.sum(ops.square(delta), axis=1)
+        fast = _eager("row_squared_norms_2d")
+        return ops.sum(ops.square(delta), axis=1) if fast is None else fast(delta)
     _, d = _flat(delta, delta)
     return ops.sum(ops.square(ops.sum(d, axis=1)), axis=1)
 
 
 def _bias_weighted_sum(delta, weights):
     if len(delta.shape) == 2:
-        return ops.matmul(weights[None, :], delta)[0]
+        fast = _eager("weighted_row_sum_2d")
+        return ops.matmul(weights[None, :], delta)[0] if fast is None else fast(delta, weights)
     _, d = _flat(delta, delta)
     return ops.sum(d * weights[:, None, None], axis=(0, 1))
 

@@ -1,0 +1,68 @@
+"""The torch adapter's fast paths and their fallbacks (torch only): each gives what the
+backend-neutral code gives."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch adapter")
+
+
+def _values(batch=7, size=5, seed=0):
+    x = np.random.default_rng(seed).standard_normal((batch, size)).astype(np.float32)
+    x[2, 1], x[0, 3], x[-1, 4] = np.nan, np.inf, -np.inf
+    return x
+
+
+def test_sorted_ranks_match_numpy_and_decline_what_they_cannot_sort():
+    import torch
+
+    from pergrad.backend import torch as adapter
+
+    x = _values()
+    ranks = adapter.sorted_ranks(torch.from_numpy(x), 2, 5)
+    np.testing.assert_array_equal(ranks.numpy(), np.sort(x, axis=0)[2:5])
+    assert adapter.sorted_ranks(torch.from_numpy(x).requires_grad_(True), 2, 5) is None
+    assert adapter.sorted_ranks(torch.from_numpy(x).to(torch.bfloat16), 2, 5) is None
+
+
+def test_default_strategy_falls_back_to_top_k(monkeypatch):
+    import torch
+
+    from pergrad.aggregators import selection
+
+    x = torch.from_numpy(_values(batch=8, size=6, seed=1))
+    x[2, 1] = 0.0  # a finite median in every column
+    assert selection._strategy(x) == "backend"
+    expected = np.median(x.numpy(), axis=0)
+    np.testing.assert_allclose(selection.median(x).numpy(), expected, rtol=1e-6)
+    calls = []
+    monkeypatch.setattr(selection.adapter(), "sorted_ranks", lambda *a: calls.append(a) or None)
+    np.testing.assert_allclose(selection.median(x).numpy(), expected, rtol=1e-6)  # by top_k
+    assert calls
+
+
+def test_dense_formulas_in_raw_torch_match_the_keras_ops_ones(monkeypatch):
+    from keras import ops
+
+    from pergrad.layer_rules import dense
+
+    rng = np.random.default_rng(2)
+    shapes = ((6, 4), (6, 3), (6,))
+    a, d, w = (ops.convert_to_tensor(rng.standard_normal(s).astype(np.float32)) for s in shapes)
+
+    def formulas():
+        return [ops.convert_to_numpy(t) for t in (
+            dense.outer_squared_norms(a, d), dense.outer_weighted_sum(a, d, w),
+            dense._bias_squared_norms(d), dense._bias_weighted_sum(d, w))]
+
+    fast = formulas()
+    monkeypatch.setattr(dense, "_eager", lambda name: None)
+    for mine, reference in zip(fast, formulas()):
+        np.testing.assert_allclose(mine, reference, rtol=1e-6)
+    # and the closed forms themselves: ||a_i||^2 ||d_i||^2, A^T diag(w) D
+    a, d, w = (ops.convert_to_numpy(t) for t in (a, d, w))
+    np.testing.assert_allclose(fast[0], (a * a).sum(1) * (d * d).sum(1), rtol=1e-5)
+    np.testing.assert_allclose(fast[1], a.T @ (d * w[:, None]), rtol=1e-5, atol=1e-6)
