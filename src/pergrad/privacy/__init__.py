@@ -26,6 +26,11 @@ from pergrad.privacy.accounting import (
     noise_multiplier_for,
     steps_within_budget,
 )
+from pergrad.privacy.adaptive import (
+    AdaptiveDPGaussian,
+    adaptive_dp_gaussian,
+    gradient_noise_multiplier,
+)
 from pergrad.privacy.callbacks import (
     PrivacyAccountant,
     PrivacyBudgetExhaustedError,
@@ -49,6 +54,7 @@ from pergrad.privacy.validation import (
 
 __all__ = [
     "ACCOUNTANTS",
+    "AdaptiveDPGaussian",
     "BatchOverflowError",
     "DPGaussian",
     "NotPoissonSampledWarning",
@@ -56,11 +62,13 @@ __all__ = [
     "PoissonSampler",
     "PrivacyAccountant",
     "PrivacyBudgetExhaustedError",
+    "adaptive_dp_gaussian",
     "check_dp_fit",
     "default_bucket_width",
     "dp_gaussian",
     "dp_sgd_event",
     "epsilon",
+    "gradient_noise_multiplier",
     "make_accountant",
     "max_batch_size_for",
     "noise_multiplier_for",
