@@ -33,7 +33,6 @@ import math
 import keras
 from keras import ops
 
-from pergrad import replicas
 from pergrad.aggregators.base import ExampleStatistics, serializable
 from pergrad.arguments import check_number
 from pergrad.privacy import noise
@@ -208,19 +207,22 @@ class AdaptiveDPGaussian(DPGaussian):
         result = super().finalize(result, stats)
         norms = ops.cast(stats.flat_norms, "float32")
         centred = ops.where(norms > 0, ops.cast(norms <= clip, "float32") - 0.5, 0.0)
-        # The whole batch's count on every replica (each holds its shard's rows).
-        count = replicas.global_sum(ops.sum(centred))
-        if self.count_stddev > 0:
-            # The same draw on every replica: added once to the one global count.
-            # (Capped: past COUNT_STREAM steps the draw is computed but never released.)
-            stream = COUNT_STREAM + ops.minimum(step, COUNT_STREAM - 1)
-            count = count + noise.gaussian_noise(self._key(), stream, 1, self.count_stddev)[0]
-        estimate = ops.clip(count / self.expected_batch_size + 0.5, 0.0, 1.0)
-        updated = clip * ops.exp(-self.learning_rate * (estimate - self.target_quantile))
-        counted = ops.logical_and(ops.less(step, self.step_limit.value), ops.less(step, COUNT_STREAM))
-        self.l2_norm_clip_state.assign(ops.where(counted, updated, clip))
-        self.report("l2_norm_clip", clip)
-        self.report("unclipped_fraction", ops.where(counted, estimate, float("nan")))
+
+        def update(count):
+            # The whole batch's count (summed over the replicas by the train step), noised
+            # with the same draw on every replica (one key, one step): one noise in all.
+            if self.count_stddev > 0:
+                # (Capped: past COUNT_STREAM steps the draw is computed but never released.)
+                stream = COUNT_STREAM + ops.minimum(step, COUNT_STREAM - 1)
+                count = count + noise.gaussian_noise(self._key(), stream, 1, self.count_stddev)[0]
+            estimate = ops.clip(count / self.expected_batch_size + 0.5, 0.0, 1.0)
+            updated = clip * ops.exp(-self.learning_rate * (estimate - self.target_quantile))
+            counted = ops.logical_and(ops.less(step, self.step_limit.value), ops.less(step, COUNT_STREAM))
+            self.l2_norm_clip_state.assign(ops.where(counted, updated, clip))
+            self.report("l2_norm_clip", clip)
+            self.report("unclipped_fraction", ops.where(counted, estimate, float("nan")))
+
+        self.set_batch_totals(ops.sum(centred), update)
         return result
 
     def get_config(self):
