@@ -175,6 +175,9 @@ RULES = {
     "dp_noise_1": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5),
     # Divides by a constant, not the batch size; the materialized path.
     "dp_expected": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5, expected_batch_size=7.0),
+    # Its clipping norm from the count over every replica's shard, noised once.
+    "adaptive": lambda: privacy.adaptive_dp_gaussian(0.3, 1.0, seed=5, expected_batch_size=7.0,
+                                                     count_stddev=1.0),
     # The whole batch's statistics (gathered norms), Gram matrix (gathered A, D rows).
     "norm_filter": lambda: aggregators.norm_filter(drop_fraction=0.25),
     "krum": lambda: aggregators.krum(0.25),
@@ -296,9 +299,9 @@ def test_tensorflow_mirrored_strategy_exact_rules_and_refusals():
         assert difference <= 1e-6 and same_logs, (key, difference, same_logs)
     assert min(report["moved"].values()) > 1e-3, report["moved"]
     assert report["noise"] > 1e-3, report["noise"]  # the noise is on
-    assert len(report["several"]) == 30, report["several"]
+    assert len(report["several"]) == 31, report["several"]
     for key, (difference, logs, spread) in report["several"].items():
-        # Same weights and logs (loss, clipped_fraction, gradient_norm) as one device;
+        # Same weights and logs (loss, clipped_fraction, gradient_norm, l2_norm_clip) as one device;
         # the replicas' copies identical (one noise, added once).
         assert difference <= 1e-5 and logs <= 1e-5 and spread == 0.0, (key, difference, logs, spread)
     assert len(report["refused"]) == 6, report["refused"]

@@ -172,6 +172,7 @@ def run_engine(wrapper, plan: ReplicaPlan, trainable_values, non_trainable_value
     aggregator = wrapper.aggregator
     path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
     aggregator.pop_batch_term()  # none left over from a traced step that raised
+    aggregator.pop_batch_totals()
     inputs = (problem, aggregator, trainable_values, non_trainable_values, x, y, sample_weight)
     if path == STATISTICS_PATH:
         try:
@@ -241,14 +242,19 @@ def apply_rule(wrapper, plan: ReplicaPlan, per_example) -> list:
 
 
 def combine_replicas(wrapper, plan: ReplicaPlan, result) -> list:
-    """``result`` with the rule's batch term (DP noise) added once over the replicas, and
-    its diagnostics kept for the logs, over the whole batch: a rule that aggregated its
-    shard reports sums and counts, which are summed over the replicas."""
+    """``result`` with the rule's batch term (DP noise) added once over the replicas, its
+    state updated from its batch totals, and its diagnostics kept for the logs, over the
+    whole batch: a rule that aggregated its shard reports sums and counts, which are summed
+    over the replicas."""
     aggregator = wrapper.aggregator
     term = aggregator.pop_batch_term()
     if term is not None:  # on replica 0 only: the replicas' sum holds it once
         result = [g + replicas.first_replica(t) for g, t in zip(result, term)]
     local = plan.several and not plan.gathered
+    totals = aggregator.pop_batch_totals()
+    if totals is not None:  # the same totals, hence the same state, on every replica
+        sums, update = totals
+        update(replicas.global_sum(sums) if local else sums)
     wrapper._keep_reports(aggregator.pop_reports(replicas.global_sum) if local else aggregator.pop_reports())
     return result
 

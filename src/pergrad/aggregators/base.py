@@ -190,6 +190,7 @@ class Aggregator(keras.layers.Layer):
         super().__init__(**kwargs)
         self._reports: dict = {}
         self._batch_terms: dict = {}
+        self._batch_totals: dict = {}
 
     def call(self, gradients, batch_term: bool = True):
         """The rule's result on ``gradients``; with ``batch_term=False`` without the term
@@ -199,7 +200,12 @@ class Aggregator(keras.layers.Layer):
         if size is not None:
             self.check_batch_size(size)
         result = self.aggregate(gradients)
-        term = self.pop_batch_term() if batch_term else None
+        if not batch_term:
+            return result
+        totals = self.pop_batch_totals()
+        if totals is not None:  # the batch is this call's: its totals are its own sums
+            totals[1](totals[0])
+        term = self.pop_batch_term()
         return result if term is None else [g + t for g, t in zip(result, term)]
 
     def check_batch_size(self, batch_size: int) -> None:
@@ -315,6 +321,18 @@ class Aggregator(keras.layers.Layer):
     def pop_batch_term(self) -> list | None:
         """The term :meth:`set_batch_term` set aside in the current call, or ``None``."""
         return self._batch_terms.pop(threading.get_ident(), None)
+
+    def set_batch_totals(self, sums, update) -> None:
+        """Sets aside ``sums`` (a float tensor of sums over the current call's examples) and
+        ``update``, a function of their totals over the whole batch that updates the rule's
+        state (adaptive clipping's norm, from its count). ``__call__`` calls ``update(sums)``;
+        where each replica aggregates its shard, the model's train step calls it with the
+        sums added over the replicas, so that every replica updates alike."""
+        self._batch_totals[threading.get_ident()] = (sums, update)
+
+    def pop_batch_totals(self):
+        """``(sums, update)`` of :meth:`set_batch_totals` in the current call, or ``None``."""
+        return self._batch_totals.pop(threading.get_ident(), None)
 
     def group_count(self) -> int | None:
         """How many contiguous groups of the batch this rule aggregates each on its own before

@@ -30,6 +30,11 @@ from pergrad.privacy.accounting import (
     noise_multiplier_for,
     steps_within_budget,
 )
+from pergrad.privacy.adaptive import (
+    AdaptiveDPGaussian,
+    adaptive_dp_gaussian,
+    gradient_noise_multiplier,
+)
 from pergrad.privacy.callbacks import (
     PrivacyAccountant,
     PrivacyBudgetExhaustedError,
@@ -60,6 +65,7 @@ __all__ = [
     "ACCOUNTANTS",
     "UNIT_IDS",
     "UNIT_INPUTS",
+    "AdaptiveDPGaussian",
     "BatchOverflowError",
     "DPGaussian",
     "NotPoissonSampledWarning",
@@ -69,11 +75,13 @@ __all__ = [
     "PrivacyBudgetExhaustedError",
     "UserLevelDPGaussian",
     "UserSampler",
+    "adaptive_dp_gaussian",
     "check_dp_fit",
     "default_bucket_width",
     "dp_gaussian",
     "dp_sgd_event",
     "epsilon",
+    "gradient_noise_multiplier",
     "make_accountant",
     "max_batch_size_for",
     "noise_multiplier_for",

@@ -254,6 +254,11 @@ class DPGaussian(WeightedAggregator):
         if self.seed is None:
             self._new_key()
 
+    def current_l2_norm_clip(self):
+        """The clipping norm ``C`` of the current step: ``l2_norm_clip`` here; a subclass
+        whose norm adapts (:class:`~pergrad.privacy.AdaptiveDPGaussian`) reads its state."""
+        return self.l2_norm_clip
+
     @property
     def noise_stddev(self) -> float:
         """Standard deviation of the noise added to each coordinate of the sum."""
@@ -273,7 +278,7 @@ class DPGaussian(WeightedAggregator):
     def clip_factors(self, stats: ExampleStatistics):
         """``min(1, threshold / norm)``: ``(B,)`` flat, ``(B, V)`` per layer (clip's factors,
         :func:`~pergrad.aggregators.basic.clip_factors`, to ``C`` or ``C / sqrt(V)``)."""
-        threshold = self.l2_norm_clip
+        threshold = self.current_l2_norm_clip()
         if self.per_layer:
             threshold /= math.sqrt(stats.scaled_squared_norms.shape[1])
         factors, norms = clip_factors(stats, threshold, self.per_layer)
