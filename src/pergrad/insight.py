@@ -234,15 +234,11 @@ def plot_pruning(result: PruningResult, path: str) -> str:
 
 
 def _diagnostics(out_dir: str, seed: int, echo) -> None:
-    """The training diagnostics' plots (norm quantiles, noise scale over training), where
-    ``pergrad.insight_diagnostics`` is installed."""
-    try:
-        from pergrad.insight_diagnostics import diagnostics_report
-    except ImportError:
-        echo("(training diagnostics: pergrad.insight_diagnostics is not available)")
-        return
-    # LEAD: the diagnostics plots from pergrad.insight_diagnostics are added here.
-    for path in diagnostics_report(out_dir, seed) or ():
+    """The training diagnostics' plots (norm quantiles, noise scale over training, GSNR)."""
+    from pergrad.insight_diagnostics import diagnostics_report
+
+    echo("Training diagnostics (pergrad.diagnostics.GradientDiagnostics) written:")
+    for path in diagnostics_report(out_dir, seed):
         echo(f"  {path}")
 
 
