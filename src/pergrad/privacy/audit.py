@@ -321,7 +321,8 @@ def audit(
     x, y = (np.asarray(part) for part in data)
     if x.ndim != 2 or len(x) != len(y):
         raise ValueError(
-            f"audit needs flat features x of shape (n, d) and one label per row, got x {x.shape}, y {y.shape}."
+            "audit needs flat features x of shape (n, d) and one label per row, "
+            f"got x {x.shape}, y {y.shape}."
         )
     labels = y.reshape(len(y), -1)
     if labels.shape[1] != 1 or not np.issubdtype(labels.dtype, np.integer):
