@@ -13,9 +13,12 @@ The guarantee, what is refused to keep it, what ``seed=`` means and how
 resuming works are described in :class:`DPGaussian`,
 :class:`PrivacyAccountant`, :class:`PoissonSampler` and the README.
 
-Accounting (:func:`epsilon`, :func:`noise_multiplier_for`) needs the
-``dp-accounting`` package (``pip install pergrad[privacy]``).
+Accounting (:func:`epsilon`, :func:`noise_multiplier_for`) and the one-run
+audit (:func:`audit`: an empirical lower bound on ``epsilon``) need the
+``dp-accounting`` package (``pip install pergrad[privacy]``; it brings scipy).
 """
+
+import importlib
 
 from pergrad.aggregators.base import zero_non_finite_examples
 from pergrad.privacy.accounting import (
@@ -25,6 +28,12 @@ from pergrad.privacy.accounting import (
     make_accountant,
     noise_multiplier_for,
     steps_within_budget,
+)
+from pergrad.privacy.auditing import (
+    AuditResult,
+    audit_p_value,
+    best_guesses,
+    epsilon_lower_bound,
 )
 from pergrad.privacy.callbacks import (
     PrivacyAccountant,
@@ -49,6 +58,7 @@ from pergrad.privacy.validation import (
 
 __all__ = [
     "ACCOUNTANTS",
+    "AuditResult",
     "BatchOverflowError",
     "DPGaussian",
     "NotPoissonSampledWarning",
@@ -56,11 +66,15 @@ __all__ = [
     "PoissonSampler",
     "PrivacyAccountant",
     "PrivacyBudgetExhaustedError",
+    "audit",
+    "audit_p_value",
+    "best_guesses",
     "check_dp_fit",
     "default_bucket_width",
     "dp_gaussian",
     "dp_sgd_event",
     "epsilon",
+    "epsilon_lower_bound",
     "make_accountant",
     "max_batch_size_for",
     "noise_multiplier_for",
@@ -68,3 +82,11 @@ __all__ = [
     "validate_model_for_dp",
     "zero_non_finite_examples",
 ]
+
+
+def __getattr__(name):
+    # PEP 562: `audit` trains a PerExampleModel, which imports this package: it lives
+    # above the model (pergrad.audit) and is imported on first use.
+    if name == "audit":
+        return importlib.import_module("pergrad.audit").audit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

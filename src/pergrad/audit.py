@@ -1,4 +1,8 @@
-"""Privacy auditing with one training run (Steinke, Nasr and Jagielski, NeurIPS 2023).
+"""``pergrad.privacy.audit``: one-run privacy auditing of DP-SGD (Steinke, Nasr and Jagielski, 2023).
+
+It trains a :class:`~pergrad.PerExampleModel`, so it sits above the model,
+beside the demo; ``pergrad.privacy`` exposes :func:`audit` on first use. The
+statistics are in :mod:`pergrad.privacy.auditing`.
 
 A DP implementation can be wrong in ways no unit test sees: noise of the wrong
 scale, a clip applied after the sum, a leak through the denominator. An audit
@@ -21,9 +25,10 @@ final movement of its row lowers its own loss: its loss with the row reset to
 its initial value minus its loss with the trained row (one forward pass each:
 a canary's input touches only its own row). Without noise an excluded canary's
 row never moves (score exactly 0), so the audit shows the lack of noise with
-near-perfect guesses. This is the white-box "input-space" canary of Steinke
-et al.'s Section 6; scoring random-label digits by their loss (black-box)
-gives far weaker audits at the same number of runs.
+near-perfect guesses. These are white-box canaries (the auditor reads the
+first layer's weights before and after training), as in Steinke et al.'s
+white-box experiments; a black-box audit that only sees the final model's
+losses is weaker.
 
 **What the bound is.** A lower bound: a bound far below the accountant's
 ``epsilon`` does not mean the run is more private than accounted; one-run
@@ -39,185 +44,22 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import keras
 import numpy as np
 
 from pergrad.arguments import check_integer, check_number
+from pergrad.demo import digits_mlp, load_digits_split
+from pergrad.model import PerExampleModel
+from pergrad.privacy.accounting import epsilon
+from pergrad.privacy.auditing import AuditResult, best_guesses
+from pergrad.privacy.dp_sgd import dp_gaussian, steps_taken
+from pergrad.privacy.sampling import PoissonSampler
 
 #: The numbers of guesses tried by default, as fractions of the canaries (each
 #: at ``(1 - confidence) / 5``, Bonferroni): few guesses win under noise, many
 #: without it.
 DEFAULT_GUESS_FRACTIONS = (0.05, 0.1, 0.25, 0.5, 0.75)
-
-
-def _check_counts(canaries: int, guesses: int, correct: int) -> None:
-    if not 0 <= correct <= guesses <= canaries:
-        raise ValueError(
-            f"Need 0 <= correct <= guesses <= canaries, got correct={correct}, guesses={guesses}, "
-            f"canaries={canaries}."
-        )
-
-
-def _check_delta(delta: float) -> None:
-    if not 0 <= delta < 1:
-        raise ValueError(f"delta must be in [0, 1), got {delta}.")
-
-
-def audit_p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: float = 0.0) -> float:
-    """An upper bound on the probability of ``correct`` or more right guesses under ``(epsilon, delta)``-DP.
-
-    Steinke et al.'s Theorem 5.2 (their Algorithm in Appendix D, as a closed
-    form): with ``r = guesses``, ``v = correct`` and
-    ``W ~ Binomial(r, e^epsilon / (1 + e^epsilon))`` (the right-guess count of
-    ``epsilon``-DP randomized response),
-    ``P[correct >= v] <= P[W >= v] + 2 m delta max_{1 <= i <= v} P[v - i <= W < v] / i``,
-    ``m`` the number of canaries. With ``delta = 0`` it is the binomial tail.
-
-    Args:
-        canaries: ``m``, each included independently with probability 1/2.
-        guesses: ``r``, the number of canaries guessed (the others abstained on).
-        correct: ``v``, the number of right guesses.
-        epsilon: the ``epsilon`` of the null hypothesis (>= 0).
-        delta: its ``delta``.
-
-    Returns:
-        The p-value, at most 1.
-    """
-    from scipy import special, stats
-
-    _check_counts(canaries, guesses, correct)
-    _check_delta(delta)
-    if not epsilon >= 0:
-        raise ValueError(f"epsilon must be non-negative, got {epsilon}.")
-    right = special.expit(epsilon)  # e^eps / (1 + e^eps)
-    tail = stats.binom.sf(correct - 1, guesses, right)  # P[W >= v]
-    if delta == 0 or correct == 0:
-        return float(min(tail, 1.0))
-    shortfall = np.arange(1, correct + 1)
-    below = stats.binom.sf(correct - shortfall - 1, guesses, right) - tail  # P[v - i <= W < v]
-    return float(min(tail + 2 * canaries * delta * np.max(below / shortfall), 1.0))
-
-
-def epsilon_lower_bound(
-    canaries: int, guesses: int, correct: int, delta: float = 0.0, confidence: float = 0.95
-) -> float:
-    """The largest ``epsilon`` that ``correct`` right guesses out of ``guesses`` refute.
-
-    The supremum of the ``epsilon`` whose :func:`audit_p_value` is below
-    ``1 - confidence`` (0 when even ``epsilon = 0`` is not refuted): if the
-    training run is ``(epsilon, delta)``-DP, the bound exceeds ``epsilon`` with
-    probability at most ``1 - confidence``.
-
-    Args:
-        canaries: ``m``, each included independently with probability 1/2.
-        guesses: ``r``, the number of canaries guessed.
-        correct: ``v``, the number of right guesses.
-        delta: the ``delta`` of the guarantee audited.
-        confidence: ``1 - beta`` (in (0, 1)).
-    """
-    from scipy import optimize
-
-    _check_counts(canaries, guesses, correct)
-    _check_delta(delta)
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}.")
-    significance = 1.0 - confidence
-
-    def excess(epsilon: float) -> float:  # increasing in epsilon; > 0 where epsilon is not refuted
-        return audit_p_value(canaries, guesses, correct, epsilon, delta) - significance
-
-    if excess(0.0) >= 0:
-        return 0.0
-    high = 1.0
-    while excess(high) < 0:
-        high *= 2.0
-    return float(optimize.brentq(excess, high / 2 if high > 1 else 0.0, high, xtol=1e-9, rtol=1e-12))
-
-
-@dataclass(frozen=True)
-class AuditResult:
-    """What :func:`audit` found; ``str()`` gives the one-line summary.
-
-    Attributes:
-        epsilon_lower_bound: the empirical lower bound on ``epsilon``.
-        epsilon: the accountant's ``epsilon`` for the run (``inf`` without noise).
-        delta: the ``delta`` of both.
-        confidence: the bound's confidence.
-        canaries: ``m``, the canaries drawn.
-        included: how many of them were in the training data.
-        guesses: ``r``, the guesses of the best-scoring number of guesses.
-        correct: how many of those were right.
-        noise_multiplier: the noise multiplier the accountant was given.
-        sampling_rate: ``q`` of the run's Poisson sampling.
-        steps: the DP steps taken.
-        scores: every canary's score (higher: more likely included).
-        membership: every canary's inclusion (the truth the guesses are scored on).
-    """
-
-    epsilon_lower_bound: float
-    epsilon: float
-    delta: float
-    confidence: float
-    canaries: int
-    included: int
-    guesses: int
-    correct: int
-    noise_multiplier: float
-    sampling_rate: float
-    steps: int
-    scores: np.ndarray = field(repr=False)
-    membership: np.ndarray = field(repr=False)
-
-    def __str__(self) -> str:
-        return (
-            f"one-run audit: epsilon >= {self.epsilon_lower_bound:.2f} at {self.confidence:.0%} "
-            f"confidence ({self.correct}/{self.guesses} right guesses on {self.canaries} canaries) "
-            f"vs accountant epsilon = {self.epsilon:.2f} (delta={self.delta:g})"
-        )
-
-
-def best_guesses(
-    scores, membership, guesses: Sequence[int], delta: float, confidence: float
-) -> tuple[float, int, int]:
-    """The largest bound over several numbers of guesses, Bonferroni-corrected.
-
-    For each ``r`` in ``guesses``, guesses "included" for the ``r / 2``
-    highest scores and "excluded" for the ``r / 2`` lowest, and computes
-    :func:`epsilon_lower_bound` at confidence ``1 - (1 - confidence) /
-    len(guesses)``, so that the largest of them holds at ``confidence``.
-
-    Returns:
-        ``(bound, r, right guesses)`` of the best ``r``.
-    """
-    scores, membership = np.asarray(scores, dtype="float64"), np.asarray(membership, dtype=bool)
-    canaries = len(scores)
-    each = 1.0 - (1.0 - confidence) / len(guesses)
-    # A stable sort: tied scores (all 0 for the excluded canaries of a run without noise)
-    # keep an order that does not depend on membership.
-    order = np.argsort(scores, kind="stable")
-    best = (0.0, 0, 0)
-    for count in guesses:
-        half = int(count) // 2
-        if half == 0:
-            continue
-        right = int(membership[order[-half:]].sum() + (~membership[order[:half]]).sum())
-        bound = epsilon_lower_bound(canaries, 2 * half, right, delta, each)
-        if bound > best[0] or best[1] == 0:
-            best = (bound, 2 * half, right)
-    return best
-
-
-def digits_mlp(features: int, classes: int = 10) -> keras.Model:
-    """The demo's network on ``features`` inputs: Dense(64, relu), Dense(classes, softmax)."""
-    return keras.Sequential(
-        [
-            keras.Input((features,)),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(classes, activation="softmax"),
-        ]
-    )
 
 
 def _first_dense_kernel(model: keras.Model, features: int):
@@ -272,7 +114,8 @@ def audit(
     Args:
         model_factory: builds the (uncompiled) Keras model from the number of
             input features, ``data``'s plus ``canaries``; its first layer must be
-            a Dense layer on them. Default :func:`digits_mlp`.
+            a Dense layer on them. Default: the demo's network,
+            :func:`pergrad.demo.digits_mlp`, with one output per class of ``y``.
         data: ``(x, y)``: flat float features ``(n, d)`` and integer class labels
             (the canaries' labels are drawn from ``y``'s classes). Default: the
             demo's training split of scikit-learn's digits.
@@ -305,18 +148,11 @@ def audit(
         An :class:`AuditResult`; ``print(result)`` shows the bound beside the
         accountant's ``epsilon``.
     """
-    from pergrad.model import PerExampleModel
-    from pergrad.privacy.accounting import epsilon
-    from pergrad.privacy.dp_sgd import dp_gaussian, steps_taken
-    from pergrad.privacy.sampling import PoissonSampler
-
     canaries = check_integer("audit", "canaries", canaries, low=2)
     epochs = check_integer("audit", "epochs", epochs)
     check_number("audit", "confidence", confidence, low=0, high=1, low_open=True, high_open=True)
     check_number("audit", "noise_multiplier", noise_multiplier, low=0)
     if data is None:
-        from pergrad.demo import load_digits_split
-
         data = load_digits_split(0)[0]
     x, y = (np.asarray(part) for part in data)
     if x.ndim != 2 or len(x) != len(y):
@@ -355,7 +191,11 @@ def audit(
 
     if seed is not None:
         keras.utils.set_random_seed(seed)
-    network = (model_factory or digits_mlp)(features + canaries)
+    if model_factory is None:
+        def model_factory(features):
+            return digits_mlp(features, classes=int(labels.max()) + 1)
+
+    network = model_factory(features + canaries)
     kernel = _first_dense_kernel(network, features + canaries)
     model = PerExampleModel(network, rule(sampler.expected_batch_size))
     model.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(3e-3), loss=loss)
