@@ -17,9 +17,12 @@ User-level DP (the guarantee for one user and all of their examples):
 :func:`user_level_dp_gaussian` on a :class:`UserSampler`, with
 ``PrivacyAccountant(..., unit="user")`` (:mod:`pergrad.privacy.units`).
 
-Accounting (:func:`epsilon`, :func:`noise_multiplier_for`) needs the
-``dp-accounting`` package (``pip install pergrad[privacy]``).
+Accounting (:func:`epsilon`, :func:`noise_multiplier_for`) and the one-run
+audit (:func:`audit`: an empirical lower bound on ``epsilon``) need the
+``dp-accounting`` package (``pip install pergrad[privacy]``; it brings scipy).
 """
+
+import importlib
 
 from pergrad.aggregators.base import UNIT_IDS, UNIT_INPUTS, zero_non_finite_examples
 from pergrad.privacy.accounting import (
@@ -34,6 +37,12 @@ from pergrad.privacy.adaptive import (
     AdaptiveDPGaussian,
     adaptive_dp_gaussian,
     gradient_noise_multiplier,
+)
+from pergrad.privacy.auditing import (
+    AuditResult,
+    audit_p_value,
+    best_guesses,
+    epsilon_lower_bound,
 )
 from pergrad.privacy.callbacks import (
     PrivacyAccountant,
@@ -66,6 +75,7 @@ __all__ = [
     "UNIT_IDS",
     "UNIT_INPUTS",
     "AdaptiveDPGaussian",
+    "AuditResult",
     "BatchOverflowError",
     "DPGaussian",
     "NotPoissonSampledWarning",
@@ -76,11 +86,15 @@ __all__ = [
     "UserLevelDPGaussian",
     "UserSampler",
     "adaptive_dp_gaussian",
+    "audit",
+    "audit_p_value",
+    "best_guesses",
     "check_dp_fit",
     "default_bucket_width",
     "dp_gaussian",
     "dp_sgd_event",
     "epsilon",
+    "epsilon_lower_bound",
     "gradient_noise_multiplier",
     "make_accountant",
     "max_batch_size_for",
@@ -90,3 +104,11 @@ __all__ = [
     "validate_model_for_dp",
     "zero_non_finite_examples",
 ]
+
+
+def __getattr__(name):
+    # PEP 562: `audit` trains a PerExampleModel, which imports this package: it lives
+    # above the model (pergrad.audit) and is imported on first use.
+    if name == "audit":
+        return importlib.import_module("pergrad.audit").audit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
