@@ -245,8 +245,8 @@ class GradientDiagnostics(keras.callbacks.Callback):
     tensor for layers with rules): the one its update made (statistics rules;
     ``mean`` and ``sum``, whose backward pass then takes the probes too), else one
     more forward and backward pass. The update is computed as without the callback
-    (with ``mean``, bit for bit). Steps in between run the model's plain train
-    function (no cost).
+    (with ``mean``, bit for bit on JAX and torch, to float32 rounding on TensorFlow).
+    Steps in between run the model's plain train function (no cost).
 
     What is logged (docs/diagnostics.md):
 
