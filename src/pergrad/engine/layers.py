@@ -360,6 +360,21 @@ class Layers:
         return total
 
     @_in_context
+    def cross_gram(self, split: int):
+        """``(split, B - split)``: ``<g_i, g_j>`` for ``i < split <= j`` (the off-diagonal
+        block of :meth:`gram`, each rule's :meth:`~pergrad.layer_rules.LayerRule.cross_gram`)."""
+
+        def from_rows(rows, _split=None):
+            return sum(ops.matmul(r[:split], ops.transpose(r[split:])) for r in rows)
+
+        total = 0.0
+        for _, part in self._per_call("cross_gram", from_rows, lambda call: (split,)):
+            total = total + ops.cast(part, "float32")
+        for rows in self._shared_variables().values():
+            total = total + from_rows([rows])
+        return total
+
+    @_in_context
     def sum_grad_squared(self, variables):
         """``sum_i g_i ** 2`` per coordinate of every variable (float32, the variables'
         shapes; zeros for a variable no call reads): the rule's formula
