@@ -14,8 +14,9 @@
 Gradient scores come from the statistics path (:func:`pergrad.per_example_statistics`):
 norms and Gram matrices from each layer's input ``A`` and output gradient ``D``, never a
 ``B x P`` tensor for layers with rules. The influence on the test examples is the
-off-diagonal block of the Gram matrix of the batch joined with them, as "In-Run Data
-Shapley" (Wang et al., 2024) computes its gradient dot products from ``A`` and ``D``.
+off-diagonal block of the Gram matrix of the batch joined with them, computed alone (each
+layer rule's ``cross_gram``), as "In-Run Data Shapley" (Wang et al., 2024) computes its
+gradient dot products from ``A`` and ``D``.
 
 Example ``i``'s gradient is that of its own loss as on a batch of one (its sample weight
 included): a ``"sum"`` reduction's batch factor is removed, so that scores do not depend

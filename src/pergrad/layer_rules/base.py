@@ -245,6 +245,10 @@ class LayerRule:
         dot products instead of ``B x B``."""
         if type(self).gram is not LayerRule.gram:
             return self.gram(layer, values, inputs, delta)[:split, split:]
+        return self.cross_gram_of_rows(layer, values, inputs, delta, split)
+
+    def cross_gram_of_rows(self, layer, values, inputs, delta, split: int):
+        """:meth:`cross_gram` from :meth:`per_example` (for the rules' own fallbacks)."""
         rows = [example_rows(g) for g in self.per_example(layer, values, inputs, delta)]
         return sum(ops.matmul(r[:split], ops.transpose(r[split:])) for r in rows)
 

@@ -251,7 +251,7 @@ class DenseRule(PreActivationRule):
     def cross_gram(self, layer, values, inputs, delta, split: int):
         if len(inputs.shape) != 2 and sequence_positions(inputs) != 1:
             # (per-example gradients, as gram's: cheaper than T^2 position pairs here)
-            return LayerRule.cross_gram(self, layer, values, inputs, delta, split)
+            return self.cross_gram_of_rows(layer, values, inputs, delta, split)
         total = 0.0
         for a, d in self._pieces(layer, values, inputs, delta):
             d = ops.reshape(d, (ops.shape(d)[0], -1))
