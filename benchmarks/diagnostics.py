@@ -10,10 +10,11 @@ Variants, on the benchmark models of ``models.py`` (default ``mlp256`` and ``tfm
 
 - ``plain``: the Keras model's own train step;
 - ``mean``: ``PerExampleModel(model, "mean")`` without diagnostics;
-- ``diag``: ``mean`` with ``GradientDiagnostics()`` every step (norm quantiles,
-  noise scale, GSNR of every variable);
-- ``diag-nogsnr``: the same without GSNR (``gsnr=False``);
-- ``diag10``: every 10th step (``every_n_steps=10``), the rest plain.
+- ``diag``: ``mean`` with ``GradientDiagnostics()``, the default: norm quantiles
+  and noise scale every step, the GSNR of every variable every 10th step;
+- ``diag-gsnr1``: the GSNR every step too (``gsnr_every_n_steps=1``);
+- ``diag-nogsnr``: no GSNR (``gsnr=False``);
+- ``diag10``: every 10th step (``every_n_steps=10``: the GSNR every 100th), the rest plain.
 
 Every variant runs the way ``fit()`` runs it (``runner.py``): the model's
 compiled train function, and for the diagnostics the callback's hooks around each
@@ -36,7 +37,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..", "src")]
 
 import process  # noqa: E402  (imports no backend)
 
-VARIANTS = ("plain", "mean", "diag", "diag-nogsnr", "diag10")
+VARIANTS = ("plain", "mean", "diag", "diag-gsnr1", "diag-nogsnr", "diag10")
 
 
 def parse_args(argv=None):
@@ -63,6 +64,7 @@ from pergrad.diagnostics import GradientDiagnostics  # noqa: E402
 
 CALLBACKS = {
     "diag": dict(),
+    "diag-gsnr1": dict(gsnr_every_n_steps=1),
     "diag-nogsnr": dict(gsnr=False),
     "diag10": dict(every_n_steps=10),
 }

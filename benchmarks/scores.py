@@ -37,9 +37,12 @@ KINDS = ("loss", "el2n", "grand", "self_influence", "influence")
 TEST_EXAMPLES = 8
 
 
-def variants(key: str, batches: int):
-    """``(N, {name: callable})``: every variant over ``batches`` batches of ``key``'s data."""
+def variants(key: str, batches: int, full_gram: bool = False):
+    """``(N, {name: callable})``: every variant over ``batches`` batches of ``key``'s data
+    (with ``full_gram``, also ``influence_full_gram``: the joined batch's whole Gram matrix,
+    ``pergrad.per_example_statistics(gram=True)``, of which influence needs one block)."""
     import keras
+    import numpy as np
 
     import pergrad
     from models import build_model, make_data, new_loss, new_optimizer, parse_model
@@ -60,7 +63,16 @@ def variants(key: str, batches: int):
         "fit epoch": lambda: trained.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0),
         "predict": lambda: scored.predict(x, batch_size=batch_size, verbose=0),
     }
-    return len(x), {**found, **{kind: score(kind) for kind in KINDS}}
+    found.update({kind: score(kind) for kind in KINDS})
+    if full_gram:
+        def whole_gram():
+            for start in range(0, len(x), batch_size):
+                joined = [np.concatenate([a[start:start + batch_size], t]) for a, t in zip((x, y), test)]
+                keras.ops.convert_to_numpy(
+                    pergrad.per_example_statistics(scored, *joined, training=False, gram=True).gram)
+
+        found["influence_full_gram"] = whole_gram
+    return len(x), found
 
 
 def main(argv=None):
@@ -69,14 +81,17 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="0: the backends' defaults")
+    parser.add_argument("--full-gram", action="store_true",
+                        help="also time influence from the joined batch's whole Gram matrix")
     args = parser.parse_args(argv)
     before_backend_import(args.threads or None, args.models)
     import keras
 
-    print("| backend | model | N | fit epoch (ms) | predict | " + " | ".join(KINDS) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(KINDS))
+    kinds = KINDS + (("influence_full_gram",) if args.full_gram else ())
+    print("| backend | model | N | fit epoch (ms) | predict | " + " | ".join(kinds) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(kinds))
     for key in args.models:
-        size, runs = variants(key, args.batches)
+        size, runs = variants(key, args.batches, args.full_gram)
         times = {name: [] for name in runs}
         for round_ in range(args.rounds + 1):
             for name, run in runs.items():
@@ -85,7 +100,7 @@ def main(argv=None):
                 if round_:  # round 0 traces and compiles
                     times[name].append(1e3 * (time.perf_counter() - start))
         fit_ms = statistics.median(times["fit epoch"])
-        cells = [f"{statistics.median(times[name]) / fit_ms:.2f}x" for name in ("predict",) + KINDS]
+        cells = [f"{statistics.median(times[name]) / fit_ms:.2f}x" for name in ("predict",) + kinds]
         print(f"| {keras.backend.backend()} | {key} | {size} | {fit_ms:.0f} | " + " | ".join(cells) + " |",
               flush=True)
 

@@ -86,12 +86,16 @@ def test_fit_logs_the_step_batch_diagnostics():
     problem = _compiled("dense_mlp")
     first = problem.x[:3], problem.y[:3], problem.sample_weight[:3]
     expected = batch_diagnostics(problem.model, *first, threshold=3.0)
-    callback = GradientDiagnostics(threshold=3.0, smoothing=0.5)
+    # The GSNR on a sparser schedule than the norms: steps 0 and 2 of 0..3.
+    callback = GradientDiagnostics(threshold=3.0, smoothing=0.5, gsnr_every_n_steps=2)
     _, history = _fit(problem, "mean", [keras.callbacks.CSVLogger("/dev/null"), callback])
     # Before the first update: the first batch at the initial weights.
     for key, value in expected.items():
         np.testing.assert_allclose(callback.history[key][0], value, rtol=1e-5, atol=1e-7, err_msg=key)
     assert callback.history["step"] == [0, 1, 2, 3]
+    assert callback.history["gsnr_step"] == [0, 2]
+    assert all(len(v) == 2 for k, v in callback.history.items() if k.startswith("gsnr"))
+    assert len(callback.history["grad_norm_p50"]) == 4
     # The noise scale: the EMAs of the two estimators, each batch's weight 1 - 0.5.
     trace = np.array(callback.history["gradient_variance"])
     squared = np.array(callback.history["gradient_sq_norm"])
@@ -106,6 +110,7 @@ def test_fit_logs_the_step_batch_diagnostics():
     np.testing.assert_allclose(logs["grad_norm_p50"][1], np.mean(callback.history["grad_norm_p50"][2:]),
                                rtol=1e-6)
     np.testing.assert_allclose(logs["noise_scale"][1], callback.history["noise_scale"][-1], rtol=1e-6)
+    np.testing.assert_allclose(logs["gsnr"], callback.history["gsnr"], rtol=1e-6)  # one GSNR step each
 
 
 @pytest.mark.parametrize("aggregator", ["mean", "clip", "median"])
@@ -126,7 +131,7 @@ def test_training_is_unchanged(aggregator, monkeypatch):
         first = problem.x[:3], problem.y[:3], problem.sample_weight[:3]
         expected = batch_diagnostics(problem.model, *first, threshold=1.0)
         monkeypatch.setattr(diagnostics, "layers_of", second_pass)
-    callback = GradientDiagnostics(every_n_steps=3, threshold=1.0)
+    callback = GradientDiagnostics(every_n_steps=3, threshold=1.0, gsnr_every_n_steps=3)
     watched, _ = _fit(problem, rule(), [callback], path=path)
     for a, b in zip(plain.model.get_weights(), watched.model.get_weights()):
         if keras.backend.backend() == "tensorflow":
@@ -154,3 +159,6 @@ def test_arguments_are_checked():
         GradientDiagnostics(quantiles=(0.5, 2.0))
     with pytest.raises(ValueError, match="smoothing"):
         GradientDiagnostics(smoothing=1.0)
+    with pytest.raises(ValueError, match="gsnr_every_n_steps"):
+        GradientDiagnostics(every_n_steps=2, gsnr_every_n_steps=3)
+    assert GradientDiagnostics(every_n_steps=3).gsnr_every_n_steps == 30

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import keras
 from keras import ops, tree
 
-from pergrad.aggregators.base import ExampleStatistics
 from pergrad.backend import adapter
 from pergrad.engine.plan import Unsupported
 from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
@@ -45,6 +44,9 @@ __all__ = [
     "diagnostics_first",
     "noise_scale_estimates",
 ]
+
+#: The GSNR's default schedule: every this many diagnostic steps.
+GSNR_EVERY = 10
 
 #: The raw keys of the noise-scale estimators (one batch), and the batch size.
 SQUARED_NORM, TRACE, EXAMPLES = "gradient_sq_norm", "gradient_variance", "examples"
@@ -82,31 +84,55 @@ class DiagnosticsRequest:
     def threshold_key(self) -> str:
         return f"grad_norm_above_{self.threshold:g}"
 
-    def values(self, per_example_squared_norms, sums, sum_squares, variables) -> dict:
+    def values(self, per_example_squared_norms, means, sum_squares, variables) -> dict:
         """The diagnostics of one batch (scalar tensors by key) from ``(B,)`` squared norms,
-        each variable's ``sum_i g_i`` and (for ``gsnr``) ``sum_i g_i^2``."""
+        each variable's ``mean_i g_i`` (float32) and (for ``gsnr``) ``sum_i g_i^2``."""
         squared = ops.cast(per_example_squared_norms, "float32")
         size = ops.cast(ops.shape(squared)[0], "float32")
         out = {EXAMPLES: size}
         norms = ops.sqrt(squared)
-        for q in self.quantiles:
-            out[self.quantile_key(q)] = ops.quantile(norms, q)
+        out.update(zip(map(self.quantile_key, self.quantiles), _quantiles(norms, self.quantiles)))
         if self.threshold is not None:
             out[self.threshold_key()] = ops.mean(ops.cast(norms > self.threshold, "float32"))
         if self.noise_scale:
             mean_squared = ops.mean(squared)
-            batch_squared = sum(ops.sum(ops.square(ops.cast(s, "float32") / size)) for s in sums)
+            batch_squared = sum(_squared_sum(m) for m in means)  # ||G_B||^2
             out[SQUARED_NORM], out[TRACE] = noise_scale_estimates(mean_squared, batch_squared, size)
         if self.gsnr:
             sum_squares = [ops.cast(q, "float32") for q in sum_squares]
             largest = ops.max(ops.stack([ops.max(q) for q in sum_squares]))
             ratios, counts = 0.0, 0.0
-            for name, s, q in zip(variable_keys(variables), sums, sum_squares):
-                ratio, count = _gsnr_parts(ops.cast(s, "float32"), q, size, largest)
+            for name, m, q in zip(variable_keys(variables), means, sum_squares):
+                ratio, count = _gsnr_parts(m, q, size, largest)
                 out[f"gsnr/{name}"] = ratio / count
                 ratios, counts = ratios + ratio, counts + count
             out["gsnr"] = ops.convert_to_tensor(ratios, "float32") / counts
         return out
+
+
+def _squared_sum(tensor):
+    """``sum(tensor ** 2)`` as one dot product (one kernel on an eager backend, not two)."""
+    flat = ops.reshape(tensor, (-1,))
+    return ops.vdot(flat, flat)
+
+
+def _quantiles(values, quantiles) -> list:
+    """The ``quantiles`` of a ``(B,)`` tensor, as ``numpy.quantile`` (linear interpolation):
+    one sort for all of them where ``B`` is static (``ops.quantile`` sorts once per quantile)."""
+    size = values.shape[0]
+    if not quantiles:
+        return []
+    if size is None:
+        return [ops.quantile(values, q) for q in quantiles]
+    ordered = ops.sort(values)
+    positions = [q * (size - 1) for q in quantiles]
+    low = [min(int(math.floor(p)), size - 1) for p in positions]
+    high = [min(k + 1, size - 1) for k in low]
+    below = ops.take(ordered, low)
+    above = ops.take(ordered, high)
+    fractions = ops.convert_to_tensor([p - k for p, k in zip(positions, low)], values.dtype)
+    found = below + fractions * (above - below)
+    return [found[k] for k in range(len(quantiles))]
 
 
 def noise_scale_estimates(mean_squared_norm, batch_squared_norm, batch_size):
@@ -131,12 +157,11 @@ def noise_scale_estimates(mean_squared_norm, batch_squared_norm, batch_size):
 NEGLIGIBLE_GRADIENT = 1e-5
 
 
-def _gsnr_parts(sums, sum_squares, size, largest_sum_squares):
+def _gsnr_parts(mean, sum_squares, size, largest_sum_squares):
     """``(sum of mean^2 / var, count)`` over the coordinates whose gradient varies across the
     batch (``var > 0``; the batch's variance, ``1 / B``) and is not negligible
     (:data:`NEGLIGIBLE_GRADIENT`): a coordinate no example's gradient moves (an embedding
     row no token selects) has no ratio."""
-    mean = sums / size
     variance = ops.maximum(sum_squares / size - ops.square(mean), 0.0)
     varies = (variance > 0) & (sum_squares > NEGLIGIBLE_GRADIENT**2 * largest_sum_squares)
     ratio = ops.where(varies, ops.square(mean) / ops.where(varies, variance, 1.0), 0.0)
@@ -157,18 +182,18 @@ def variable_keys(variables) -> list[str]:
 def _from_gradients(gradients, gsnr: bool):
     rows = [example_rows(g, "float32") for g in gradients]
     squared = sum(ops.sum(r * r, axis=1) for r in rows)
-    sums = [ops.sum(ops.cast(g, "float32"), axis=0) for g in gradients]
+    means = [ops.mean(ops.cast(g, "float32"), axis=0) for g in gradients]
     sum_squares = [ops.sum(ops.square(ops.cast(g, "float32")), axis=0) for g in gradients] if gsnr else None
-    return squared, sums, sum_squares
+    return squared, means, sum_squares
 
 
 def batch_values(request: DiagnosticsRequest, problem, trainable_values, non_trainable_values, x, y=None,
-                 sample_weight=None, per_example=None, layers=None, batch_sum=None) -> dict:
+                 sample_weight=None, per_example=None, layers=None, batch_mean=None) -> dict:
     """``request``'s diagnostics of a batch (``keras.ops``; called inside the train step).
 
     From the statistics path's capture (every planned call's ``A`` and ``D``):
-    squared norms, ``sum_i g_i`` (a weighted sum with weights one, unless the step
-    gives it: ``batch_sum``) and ``sum_i g_i^2`` by the layer rules. The capture is
+    squared norms, ``mean_i g_i`` (a weighted sum with weights ``1 / B``, unless the
+    step gives it: ``batch_mean``) and ``sum_i g_i^2`` by the layer rules. The capture is
     the step's own where it made one (``layers``: a statistics rule's pass, or
     ``mean``'s backward pass with the probes), else one more forward and backward
     pass. From ``per_example`` gradients where the step materialized them, or
@@ -187,11 +212,14 @@ def batch_values(request: DiagnosticsRequest, problem, trainable_values, non_tra
             per_example, _ = problem.compute(trainable_values, non_trainable_values, x, y, sample_weight)
     if layers is not None:
         batch_size = ops.shape(tree.flatten(x)[0])[0]
-        norms, scale = layers.squared_norms(batch_size)
-        squared = ExampleStatistics(norms, scale=scale).flat_squared_norms
-        sums = batch_sum if batch_sum is not None else layers.weighted_sums(ops.ones_like(squared), variables)
+        # (float32 without the overflow rescaling: no conditional in the step)
+        squared = ops.sum(layers.squared_norms(batch_size, rescale=False)[0], axis=1)
+        means = batch_mean
+        if means is None:
+            weights = ops.ones_like(squared) / ops.cast(batch_size, "float32")
+            means = [ops.cast(m, "float32") for m in layers.weighted_sums(weights, variables)]
         sum_squares = layers.sum_grad_squared(variables) if request.gsnr else None
-        return request.values(squared, sums, sum_squares, variables)
+        return request.values(squared, means, sum_squares, variables)
     return request.values(*_from_gradients(per_example, request.gsnr), variables)
 
 
@@ -239,14 +267,18 @@ def diagnostics_first(callbacks):
 class GradientDiagnostics(keras.callbacks.Callback):
     """Logs per-example gradient diagnostics of a ``PerExampleModel`` during ``fit()``.
 
-    Every ``every_n_steps`` train steps, the step computes the diagnostics of its
-    batch, at its weights before the update and whatever the aggregator, from a
-    capture of the statistics path (every layer's ``A`` and ``D``: no ``B x P``
+    Every ``every_n_steps`` train steps, the step computes the norm quantiles and the
+    noise scale of its batch (and every ``gsnr_every_n_steps`` steps the GSNR too),
+    at its weights before the update and whatever the aggregator, from a capture of
+    the statistics path (every layer's ``A`` and ``D``: no ``B x P``
     tensor for layers with rules): the one its update made (statistics rules;
     ``mean`` and ``sum``, whose backward pass then takes the probes too), else one
     more forward and backward pass. The update is computed as without the callback
     (with ``mean``, bit for bit on JAX and torch, to float32 rounding on TensorFlow).
-    Steps in between run the model's plain train function (no cost).
+    Steps in between run the model's plain train function (no cost). By default the
+    norms and the noise scale are computed every step and the GSNR every 10th step
+    (steps 0, 10, 20, ...): its per-coordinate second moments cost one more product
+    of each kernel gradient's size (``gsnr_every_n_steps=1``: every step).
 
     What is logged (docs/diagnostics.md):
 
@@ -257,10 +289,12 @@ class GradientDiagnostics(keras.callbacks.Callback):
       factor ``smoothing`` (the ratio needs no bias correction: both EMAs carry
       the same factor);
     - ``gsnr`` and ``gsnr/<variable path>``: the mean over coordinates of
-      ``mean_i(g)^2 / var_i(g)`` (Liu et al. 2020).
+      ``mean_i(g)^2 / var_i(g)`` (Liu et al. 2020), on the GSNR steps
+      (``history["gsnr_step"]`` their global steps).
 
     ``History`` (and TensorBoard, CSVLogger...) get per epoch the mean of each value
-    over the epoch's diagnostic steps and the ``noise_scale`` at the epoch's end.
+    over the epoch's diagnostic steps (for the GSNR, over its GSNR steps; NaN in an
+    epoch without one) and the ``noise_scale`` at the epoch's end.
     With ``progress_bar=True`` the batch logs carry the latest values too (the
     progress bar shows them; TensorBoard with ``update_freq="batch"`` writes them).
     ``history`` holds every diagnostic step's values (``history["step"]`` the
@@ -277,20 +311,33 @@ class GradientDiagnostics(keras.callbacks.Callback):
         noise_scale: log the gradient noise scale.
         gsnr: log the gradient signal-to-noise ratios (one more product per
             layer: ``(A^2)^T (D^2)`` for a Dense layer).
+        gsnr_every_n_steps: compute the GSNR every this many train steps, a
+            multiple of ``every_n_steps`` (default ``10 * every_n_steps``).
         smoothing: the EMA factor of the noise scale's numerator and denominator.
         progress_bar: also put the latest values into the batch logs.
     """
 
     def __init__(self, every_n_steps: int = 1, quantiles=(0.1, 0.5, 0.9), threshold: float | None = None,
                  noise_scale: bool = True, gsnr: bool = True, smoothing: float = 0.9,
-                 progress_bar: bool = False):
+                 progress_bar: bool = False, gsnr_every_n_steps: int | None = None):
         super().__init__()
         if not (isinstance(every_n_steps, int) and every_n_steps >= 1):
             raise ValueError(f"every_n_steps must be an integer >= 1; got {every_n_steps!r}.")
+        if gsnr_every_n_steps is None:
+            gsnr_every_n_steps = GSNR_EVERY * every_n_steps
+        if not (isinstance(gsnr_every_n_steps, int) and gsnr_every_n_steps >= 1
+                and gsnr_every_n_steps % every_n_steps == 0):
+            raise ValueError(
+                "gsnr_every_n_steps must be a positive multiple of every_n_steps "
+                f"({every_n_steps}); got {gsnr_every_n_steps!r}."
+            )
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must lie in [0, 1); got {smoothing!r}.")
         self.request = DiagnosticsRequest(tuple(quantiles), threshold, noise_scale, gsnr)
+        # The requests of a step without and with the GSNR (the same when gsnr is off).
+        self._requests = (DiagnosticsRequest(tuple(quantiles), threshold, noise_scale, False), self.request)
         self.every_n_steps, self.smoothing, self.progress_bar = every_n_steps, smoothing, progress_bar
+        self.gsnr_every_n_steps = gsnr_every_n_steps
         self.history: dict[str, list] = {}
         self._calls = 0
         self._moving = [0.0, 0.0]  # EMA of tr(Σ), of |G|^2
@@ -318,22 +365,33 @@ class GradientDiagnostics(keras.callbacks.Callback):
         plain = model.train_function
         step = type(model).train_step
 
-        def diagnostic_step(*args):
-            # Its own function object: jax.jit would share the plain step's traces.
-            return step(model, *args)
+        def diagnostic_function():
+            def diagnostic_step(*args):
+                # Its own function object: jax.jit would share another step's traces.
+                return step(model, *args)
 
-        with replaced_attribute(model, "train_step", diagnostic_step):
-            model.make_train_function(force=True)  # (Keras's returns nothing on some backends)
-        diagnostic = model.train_function
+            with replaced_attribute(model, "train_step", diagnostic_step):
+                model.make_train_function(force=True)  # (Keras's returns nothing on some backends)
+            return model.train_function
+
+        # plain, the norms and noise scale, and with the GSNR (made only if it is asked for)
+        without = diagnostic_function()
+        with_gsnr = diagnostic_function() if self.request.gsnr and self.gsnr_every_n_steps > 1 else without
         model.train_function = plain
-        self._functions = (plain, diagnostic)
+        self._functions = (plain, without, with_gsnr)
+
+    def _kind(self, call: int) -> int:
+        """Which function step ``call`` runs: 0 plain, 1 without the GSNR, 2 with it."""
+        if call % self.every_n_steps:
+            return 0
+        return 2 if call % self.gsnr_every_n_steps == 0 else 1
 
     def on_train_batch_begin(self, batch, logs=None):
-        due = self._calls % self.every_n_steps == 0
+        kind = self._kind(self._calls)
         self._calls += 1
         model = self.model
-        model._set_diagnostics_request(self.request if due else None)
-        model.train_function = self._functions[1 if due else 0]
+        model._set_diagnostics_request(None if kind == 0 else self._requests[kind - 1])
+        model.train_function = self._functions[kind]
 
     def on_train_end(self, logs=None):
         if self._functions is not None:
@@ -364,6 +422,8 @@ class GradientDiagnostics(keras.callbacks.Callback):
                 values["noise_scale_batch"] = trace / squared if squared else math.nan
                 values[TRACE], values[SQUARED_NORM] = trace, squared
             self.history.setdefault("step", []).append(self._calls - 1)
+            if "gsnr" in values:
+                self.history.setdefault("gsnr_step", []).append(self._calls - 1)
             for k, v in values.items():
                 self.history.setdefault(k, []).append(v)
                 self._epoch.setdefault(k, []).append(v)
@@ -383,3 +443,8 @@ class GradientDiagnostics(keras.callbacks.Callback):
             if k in (EXAMPLES, TRACE, SQUARED_NORM, "noise_scale_batch"):
                 continue
             logs[k] = series[-1] if k == NOISE_SCALE else sum(series) / len(series)
+        # An epoch without a GSNR step (gsnr_every_n_steps > its steps): NaN, so that every
+        # epoch has each key.
+        for k in self.history:
+            if (k == "gsnr" or k.startswith("gsnr/")) and k not in self._epoch:
+                logs[k] = math.nan

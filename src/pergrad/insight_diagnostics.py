@@ -31,7 +31,8 @@ def train_with_diagnostics(seed: int = 0, epochs: int = EPOCHS, batch_size: int 
     model = pergrad.PerExampleModel(build_model(seed), "mean")
     model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
-    callback = GradientDiagnostics(quantiles=QUANTILES, threshold=1.0, smoothing=SMOOTHING)
+    callback = GradientDiagnostics(quantiles=QUANTILES, threshold=1.0, smoothing=SMOOTHING,
+                                   gsnr_every_n_steps=1)  # (the plot: GSNR every step)
     keras.utils.set_random_seed(seed)
     history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs, validation_data=test,
                         callbacks=[callback], verbose=0)
@@ -100,7 +101,7 @@ def plot_noise_scale(callback, path: str, batch_size: int, steps_per_epoch: floa
 def plot_gsnr(callback, path: str, steps_per_epoch: float) -> str:
     plt = _pyplot()
     series = callback.history
-    steps = np.array(series["step"])
+    steps = np.array(series["gsnr_step"])  # (the GSNR's steps)
     names = [k for k in series if k.startswith("gsnr/")]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     window = 10  # a moving average: one batch's GSNR is noisy

@@ -14,8 +14,9 @@
 Gradient scores come from the statistics path (:func:`pergrad.per_example_statistics`):
 norms and Gram matrices from each layer's input ``A`` and output gradient ``D``, never a
 ``B x P`` tensor for layers with rules. The influence on the test examples is the
-off-diagonal block of the Gram matrix of the batch joined with them, as "In-Run Data
-Shapley" (Wang et al., 2024) computes its gradient dot products from ``A`` and ``D``.
+off-diagonal block of the Gram matrix of the batch joined with them, computed alone (each
+layer rule's ``cross_gram``), as "In-Run Data Shapley" (Wang et al., 2024) computes its
+gradient dot products from ``A`` and ``D``.
 
 Example ``i``'s gradient is that of its own loss as on a batch of one (its sample weight
 included): a ``"sum"`` reduction's batch factor is removed, so that scores do not depend
@@ -42,8 +43,12 @@ from keras import ops, tree
 from pergrad import compat
 from pergrad.backend import adapter
 from pergrad.engine.capture import has_convolutions
+from pergrad.engine.materialized import per_example_gradients
+from pergrad.engine.plan import Unsupported
 from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
-from pergrad.engine.statistics import per_example_statistics
+from pergrad.engine.statistics import layers_of, per_example_statistics
+from pergrad.log import warn_once
+from pergrad.tensors import example_rows
 
 __all__ = ["KINDS", "scores"]
 
@@ -73,6 +78,46 @@ def _loss_function(problem):
         return (trainable, non_trainable), adapter().compile(pure)
 
     return bounded_get(problem.compiled_functions, key, make)[1]
+
+
+def _cross_gram_function(problem, split: int):
+    """``<g_i, g_j>`` for the first ``split`` examples of a batch against the others (the
+    off-diagonal block of its Gram matrix, each layer rule's ``cross_gram``: ``split x T``
+    dot products, not ``(split + T)^2``), and the advanced seeds; compiled once per
+    (trainable variables, non-trainable variables, split)."""
+    model = problem.model
+    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
+    key = ("cross_gram", tuple(map(id, trainable)), tuple(map(id, non_trainable)), split)
+
+    def make():
+        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+            batched, batch_size, non_trainable, _ = problem.batched_inputs(
+                non_trainable_values, x, y, sample_weight)
+            shared = {"non_trainable": non_trainable, "loss_scale": None}
+            layers, aux = layers_of(problem, trainable_values, batched, shared, batch_size, None)
+            return layers.cross_gram(split), problem.advanced_seeds(non_trainable, aux["seeds"])
+
+        return (trainable, non_trainable), adapter().compile(pure)
+
+    return bounded_get(problem.compiled_functions, key, make)[1]
+
+
+def _cross_gram(model, problem, loss, training, split, x, y, sample_weight) -> np.ndarray:
+    """``(split, T)`` float64: :func:`_cross_gram_function`, or from the materialized
+    per-example gradients for a model the statistics path cannot take (logged once)."""
+    x, y, sample_weight = (map_optional(ops.convert_to_tensor, t) for t in (x, y, sample_weight))
+    values = [v.value for v in model.trainable_variables]
+    states = [v.value for v in model.non_trainable_variables]
+    try:
+        cross, seeds = _cross_gram_function(problem, split)(values, states, x, y, sample_weight)
+    except Unsupported as error:
+        warn_once(problem, f"scores use the materialized path: {error}")
+        grads = per_example_gradients(model, x, y, sample_weight, loss=loss, training=training)
+        rows = [_numpy(example_rows(g)).astype("float64") for g in grads]
+        return sum(r[:split] @ r[split:].T for r in rows)
+    for position, state in zip(problem.seed_positions, seeds):
+        model.non_trainable_variables[position].assign(state)
+    return _numpy(cross).astype("float64")
 
 
 def _error_kind(loss) -> tuple[str, bool]:
@@ -198,11 +243,11 @@ class _Scorer:
         joined = [x, y, sample_weight]
         joined = [None if a is None else _concatenate(a, b)
                   for a, b in zip(joined, (test_x, test_y, test_weight))]
-        stats = per_example_statistics(self.model, *joined, loss=self.loss, training=self.training,
-                                       gram=True)
+        self.problem.check_once(*joined[:2])
+        cross = _cross_gram(self.model, self.problem, self.loss, self.training, batch_size, *joined)
         # (a sum reduction's factor is the joined batch's size, on both sides)
         factor = self.gradient_factor(batch_size + test_size)
-        return _numpy(stats.gram).astype("float64")[:batch_size, batch_size:] * factor**2
+        return cross * factor**2
 
 
 def _check_masks(model, x, kind):

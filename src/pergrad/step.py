@@ -330,7 +330,7 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
         from pergrad.diagnostics import batch_values
 
         values = batch_values(request, wrapper._problem(), trainable_values, non_trainable_values, x, y,
-                              sample_weight, per_example, aux.get("layers"), aux.get("batch_sum"))
+                              sample_weight, per_example, aux.get("layers"), aux.get("batch_mean"))
         wrapper._keep_reports({**(wrapper._take_reports() or {}), **values})
     y_pred = aux["y_pred"]
     if "mask" in aux:

@@ -310,10 +310,11 @@ class Layers:
             yield call, value
 
     @_in_context
-    def squared_norms(self, batch_size):
+    def squared_norms(self, batch_size, rescale: bool = True):
         """``((B, V) squared norms, (B, V) scale)``: divided by the scale squared, computed
         again with rescaled ``A``, ``D`` and rows only if one overflowed
-        (:func:`~pergrad.aggregators.base.overflow_safe`)."""
+        (:func:`~pergrad.aggregators.base.overflow_safe`). Without ``rescale``, the plain
+        float32 values and a scale of ``None`` (no conditional: the diagnostics')."""
 
         def columns(scaled):
             norms, scales = [None] * self.count, [None] * self.count
@@ -341,7 +342,10 @@ class Layers:
             norms, scales = columns(True)
             return ops.stack(norms, axis=1), ops.stack(scales, axis=1)
 
-        return overflow_safe(ops.stack(columns(False)[0], axis=1), rescaled)
+        plain = ops.stack(columns(False)[0], axis=1)
+        if not rescale:
+            return plain, None
+        return overflow_safe(plain, rescaled)
 
     @_in_context
     def gram(self, batch_size):
@@ -353,6 +357,21 @@ class Layers:
             total = total + ops.cast(part, "float32")
         for rows in self._shared_variables().values():
             total = total + ops.matmul(rows, ops.transpose(rows))
+        return total
+
+    @_in_context
+    def cross_gram(self, split: int):
+        """``(split, B - split)``: ``<g_i, g_j>`` for ``i < split <= j`` (the off-diagonal
+        block of :meth:`gram`, each rule's :meth:`~pergrad.layer_rules.LayerRule.cross_gram`)."""
+
+        def from_rows(rows, _split=None):
+            return sum(ops.matmul(r[:split], ops.transpose(r[split:])) for r in rows)
+
+        total = 0.0
+        for _, part in self._per_call("cross_gram", from_rows, lambda call: (split,)):
+            total = total + ops.cast(part, "float32")
+        for rows in self._shared_variables().values():
+            total = total + from_rows([rows])
         return total
 
     @_in_context

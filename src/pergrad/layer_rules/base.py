@@ -237,6 +237,21 @@ class LayerRule:
         rows = [example_rows(g) for g in self.per_example(layer, values, inputs, delta)]
         return sum(ops.matmul(r, ops.transpose(r)) for r in rows)
 
+    def cross_gram(self, layer, values, inputs, delta, split: int):
+        """``(split, B - split)``: ``<g_i, g_j>`` for ``i < split <= j``, summed over the rule's
+        variables (the off-diagonal block of :meth:`gram`; ``pergrad.scores``' influence of
+        the first ``split`` examples on the others). By default the block of the rule's own
+        :meth:`gram` where it has one, else from :meth:`per_example`: ``split x (B - split)``
+        dot products instead of ``B x B``."""
+        if type(self).gram is not LayerRule.gram:
+            return self.gram(layer, values, inputs, delta)[:split, split:]
+        return self.cross_gram_of_rows(layer, values, inputs, delta, split)
+
+    def cross_gram_of_rows(self, layer, values, inputs, delta, split: int):
+        """:meth:`cross_gram` from :meth:`per_example` (for the rules' own fallbacks)."""
+        rows = [example_rows(g) for g in self.per_example(layer, values, inputs, delta)]
+        return sum(ops.matmul(r[:split], ops.transpose(r[split:])) for r in rows)
+
     def sum_grad_squared(self, layer, values, inputs, delta) -> list:
         """``sum_i g_i ** 2`` per coordinate, one tensor of each variable's shape.
 

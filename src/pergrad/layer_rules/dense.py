@@ -248,6 +248,20 @@ class DenseRule(PreActivationRule):
             total = total + dd
         return total
 
+    def cross_gram(self, layer, values, inputs, delta, split: int):
+        if len(inputs.shape) != 2 and sequence_positions(inputs) != 1:
+            # (per-example gradients, as gram's: cheaper than T^2 position pairs here)
+            return self.cross_gram_of_rows(layer, values, inputs, delta, split)
+        total = 0.0
+        for a, d in self._pieces(layer, values, inputs, delta):
+            d = ops.reshape(d, (ops.shape(d)[0], -1))
+            dd = ops.matmul(d[:split], ops.transpose(d[split:]))
+            if a is not None:
+                a = ops.reshape(a, (ops.shape(a)[0], -1))
+                dd = ops.matmul(a[:split], ops.transpose(a[split:])) * dd
+            total = total + dd
+        return total
+
     def sum_grad_squared(self, layer, values, inputs, delta) -> list:
         # One position per example: the kernel's g_i is a_i ⊗ d_i, whose squares sum
         # to (A^2)^T (D^2) (one matmul); over a sequence g_i sums several products and

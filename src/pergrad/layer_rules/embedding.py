@@ -97,6 +97,29 @@ class EmbeddingRule(OutputRule):
         same = ops.cast(ops.equal(ids[:, None, :, None], ids[None, :, None, :]), d.dtype)
         return ops.sum(same * ops.einsum("ato,bso->abts", d, d), axis=(2, 3))
 
+    def cross_gram(self, layer, values, inputs, delta, split: int):
+        ids, d = _flat(inputs, delta)
+        positions, vocab = ids.shape[1], self.rows(layer)
+        others = ids.shape[0] - split if ids.shape[0] is not None else None
+        if positions is None or others is None:
+            return self.cross_gram_of_rows(layer, values, inputs, delta, split)
+        if positions * positions * split <= vocab:
+            # Token pairs of the two sides, B T n^2 d, cost less than the tables.
+            same = ops.cast(ops.equal(ids[:split, None, :, None], ids[None, split:, None, :]), d.dtype)
+            return ops.sum(same * ops.einsum("ato,bso->abts", d[:split], d[split:]), axis=(2, 3))
+        # The second side's tables (B - split, vocabulary, d), read at the first side's ids:
+        # <g_i, g_j> = sum_t <D_it, table_j[I_it]>, B n (B - split) d, no first-side table.
+        (tables,) = EmbeddingRule.per_example(self, layer, values, ids[split:], d[split:])
+        width = ops.shape(d)[-1]
+        # (vocabulary, (B - split) d): whole rows gathered (a strided gather of the
+        # (B - split, vocabulary, d) tables costs more than the arithmetic on torch's CPU)
+        rows = ops.reshape(ops.transpose(tables, (1, 0, 2)), (vocab, others * width))
+        picked = ops.take(rows, ops.reshape(ids[:split], (-1,)), axis=0)
+        picked = ops.reshape(picked, (split * positions, others, width))
+        first = ops.reshape(d[:split], (split * positions, width, 1))
+        products = ops.reshape(ops.matmul(picked, first), (split, positions, others))
+        return ops.sum(products, axis=1)
+
     def sum_grad_squared(self, layer, values, inputs, delta) -> list:
         # Row v of example i's gradient is S_iv = sum of D_it over its tokens t with id v.
         # Each token t holds its group's sum (token pairs with equal ids) and adds
@@ -203,6 +226,16 @@ if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras >= 3.13; keras-hub's s
             batch = ops.shape(delta)[0]
             h, d = ops.reshape(inputs, (batch, -1)), ops.reshape(delta, (batch, -1))
             return ops.matmul(h, ops.transpose(h)) * ops.matmul(d, ops.transpose(d))
+
+        def cross_gram(self, layer, values, inputs, delta, split: int):
+            if not _reverse(inputs, delta):
+                return super().cross_gram(layer, values, inputs, delta, split)
+            if sequence_positions(inputs) != 1:
+                return self.cross_gram_of_rows(layer, values, inputs, delta, split)
+            batch = ops.shape(delta)[0]
+            h, d = ops.reshape(inputs, (batch, -1)), ops.reshape(delta, (batch, -1))
+            return (ops.matmul(h[:split], ops.transpose(h[split:]))
+                    * ops.matmul(d[:split], ops.transpose(d[split:])))
 
         def sum_grad_squared(self, layer, values, inputs, delta) -> list:
             if not _reverse(inputs, delta):
