@@ -66,3 +66,49 @@ def test_dense_formulas_in_raw_torch_match_the_keras_ops_ones(monkeypatch):
     a, d, w = (ops.convert_to_numpy(t) for t in (a, d, w))
     np.testing.assert_allclose(fast[0], (a * a).sum(1) * (d * d).sum(1), rtol=1e-5)
     np.testing.assert_allclose(fast[1], a.T @ (d * w[:, None]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls, shape, options", [
+    ("Conv2D", (9, 11, 3), {"padding": "same", "strides": 2}),
+    ("Conv2D", (9, 8, 3), {"padding": "same", "dilation_rate": 2, "data_format": "channels_first"}),
+    ("Conv2D", (7, 7, 2), {"kernel_size": 2, "strides": (2, 1)}),
+    ("Conv1D", (13, 4), {"padding": "same", "strides": 2, "data_format": "channels_first"}),
+    ("Conv1D", (10, 2), {"padding": "causal"}),  # declined: the layer's vjp
+])
+def test_convolution_patches_match_the_layers_vjp(cls, shape, options):
+    import torch
+
+    from pergrad.layer_rules import rule_for
+    from pergrad.layer_rules.base import PreActivationRule
+
+    options = {"kernel_size": 3, **options}
+    layer = getattr(keras.layers, cls)(4, **options)
+    if options.get("data_format") == "channels_first":
+        shape = shape[-1:] + shape[:-1]
+    layer.build((None,) + shape)
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((5,) + shape).astype(np.float32))
+    delta = torch.from_numpy(rng.standard_normal(tuple(layer(x).shape)).astype(np.float32))
+    rule = rule_for(layer)
+    values = [v.value for v in rule.variables(layer)]
+    patches = rule.per_example(layer, values, x, delta)
+    vjp = PreActivationRule.per_example(rule, layer, values, x, delta)
+    for mine, reference in zip(patches, vjp):
+        assert tuple(mine.shape) == tuple(reference.shape)
+        np.testing.assert_allclose(mine.numpy(), reference.detach().numpy(), rtol=1e-5, atol=1e-5)
+    # and the kernel's against the definition: sum over positions of patch ⊗ delta
+    if cls == "Conv2D" and "data_format" not in options and options.get("padding") is None:
+        sh, sw = options["strides"]
+        k = options["kernel_size"]
+        rows, columns = delta.shape[1:3]
+        expected = np.zeros((5, k, k, shape[-1], 4), np.float32)
+        for r in range(rows):
+            for c in range(columns):
+                patch = x.numpy()[:, r * sh:r * sh + k, c * sw:c * sw + k, :]
+                expected += patch[..., None] * delta.numpy()[:, r, c, None, None, None, :]
+        np.testing.assert_allclose(patches[0].numpy(), expected, rtol=1e-5, atol=1e-5)
+    from pergrad.backend import torch as adapter
+
+    declined = adapter.conv_kernel_per_example(x, delta, layer.kernel_size, layer.strides, layer.padding,
+                                               layer.dilation_rate, layer.data_format == "channels_last")
+    assert (declined is None) == (options.get("padding") == "causal")
