@@ -112,3 +112,21 @@ def test_convolution_patches_match_the_layers_vjp(cls, shape, options):
     declined = adapter.conv_kernel_per_example(x, delta, layer.kernel_size, layer.strides, layer.padding,
                                                layer.dilation_rate, layer.data_format == "channels_last")
     assert (declined is None) == (options.get("padding") == "causal")
+
+
+def test_segment_sum_rows_matches_keras_segment_sum():
+    import torch
+    from keras import ops
+
+    from pergrad.backend import torch as adapter
+
+    rng = np.random.default_rng(5)
+    rows = torch.from_numpy(rng.standard_normal((9, 3, 2)).astype(np.float32))
+    ids = torch.tensor([0, 4, 4, -1, 2, 5, 0, 7, 4], dtype=torch.int32)  # -1, 5, 7: dropped
+    mine = adapter.segment_sum_rows(rows, ids, 5)
+    np.testing.assert_allclose(mine.numpy(), ops.segment_sum(rows, ids, num_segments=5).numpy(), rtol=1e-6)
+    expected = np.zeros((5, 3, 2), np.float32)
+    for row, i in zip(rows.numpy(), ids.tolist()):
+        if 0 <= i < 5:
+            expected[i] += row
+    np.testing.assert_allclose(mine.numpy(), expected, rtol=1e-6)
