@@ -24,6 +24,9 @@ def test_sorted_ranks_match_numpy_and_decline_what_they_cannot_sort():
     x = _values()
     ranks = adapter.sorted_ranks(torch.from_numpy(x), 2, 5)
     np.testing.assert_array_equal(ranks.numpy(), np.sort(x, axis=0)[2:5])
+    for block_bytes in (1, 2 * 7 * 4, 3 * 7 * 4):  # blocks of 1, 2 and 3 columns (a partial last one)
+        blocked = adapter.sorted_ranks(torch.from_numpy(x), 2, 5, block_bytes=block_bytes)
+        np.testing.assert_array_equal(blocked.numpy(), np.sort(x, axis=0)[2:5])
     assert adapter.sorted_ranks(torch.from_numpy(x).requires_grad_(True), 2, 5) is None
     assert adapter.sorted_ranks(torch.from_numpy(x).to(torch.bfloat16), 2, 5) is None
 
