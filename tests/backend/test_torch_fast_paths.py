@@ -27,6 +27,9 @@ def test_sorted_ranks_match_numpy_and_decline_what_they_cannot_sort():
     for block_bytes in (1, 2 * 7 * 4, 3 * 7 * 4):  # blocks of 1, 2 and 3 columns (a partial last one)
         blocked = adapter.sorted_ranks(torch.from_numpy(x), 2, 5, block_bytes=block_bytes)
         np.testing.assert_array_equal(blocked.numpy(), np.sort(x, axis=0)[2:5])
+        ranks, nan = adapter.sorted_ranks(torch.from_numpy(x), 2, 5, block_bytes=block_bytes, with_nan=True)
+        np.testing.assert_array_equal(ranks.numpy(), np.sort(x, axis=0)[2:5])
+        np.testing.assert_array_equal(nan.numpy(), np.isnan(x).any(axis=0))
     assert adapter.sorted_ranks(torch.from_numpy(x).requires_grad_(True), 2, 5) is None
     assert adapter.sorted_ranks(torch.from_numpy(x).to(torch.bfloat16), 2, 5) is None
 
@@ -42,9 +45,18 @@ def test_default_strategy_falls_back_to_top_k(monkeypatch):
     expected = np.median(x.numpy(), axis=0)
     np.testing.assert_allclose(selection.median(x).numpy(), expected, rtol=1e-6)
     calls = []
-    monkeypatch.setattr(selection.adapter(), "sorted_ranks", lambda *a: calls.append(a) or None)
+    monkeypatch.setattr(selection.adapter(), "sorted_ranks", lambda *a, **k: calls.append(a) or None)
     np.testing.assert_allclose(selection.median(x).numpy(), expected, rtol=1e-6)  # by top_k
     assert calls
+    # a NaN coordinate: NaN, told by the sort (and by top_k's fallback, checked above)
+    monkeypatch.undo()
+    x[5, 4] = float("nan")
+    for rule, reference in ((selection.median, np.median(x.numpy(), axis=0)),
+                            (lambda t: selection.trimmed_mean(t, 2), None)):
+        out = rule(x).numpy()
+        assert np.isnan(out[4]) and np.isfinite(out[:4]).all()
+        if reference is not None:
+            np.testing.assert_allclose(out, reference, rtol=1e-6)
 
 
 def test_dense_formulas_in_raw_torch_match_the_keras_ops_ones(monkeypatch):
