@@ -129,6 +129,18 @@ def test_convolution_patches_match_the_layers_vjp(cls, shape, options):
     assert (declined is None) == (options.get("padding") == "causal")
 
 
+def test_convolution_patches_beyond_the_limit_take_the_vjp(monkeypatch):
+    import torch
+
+    from pergrad.backend import torch as adapter
+
+    x, delta = torch.ones((2, 5, 5, 3)), torch.ones((2, 3, 3, 4))
+    args = ((3, 3), (1, 1), "valid", (1, 1), True)
+    assert adapter.conv_kernel_per_example(x, delta, *args) is not None
+    monkeypatch.setattr(adapter, "PATCH_LIMIT", 2 * 9 * 27 - 1)
+    assert adapter.conv_kernel_per_example(x, delta, *args) is None
+
+
 def test_segment_sum_rows_matches_keras_segment_sum():
     import torch
     from keras import ops

@@ -260,11 +260,16 @@ def _same_padding(size, kernel, stride, dilation):
     return total // 2, total - total // 2
 
 
+#: the most patch entries ``conv_kernel_per_example`` forms (128 MiB of float32)
+PATCH_LIMIT = 1 << 25
+
+
 def conv_kernel_per_example(inputs, delta, kernel_size, strides, padding, dilation, channels_last):
     """``(B,) + kernel_size + (C_in, C_out)``: example i's kernel gradient of an ungrouped
     1-D or 2-D convolution (Keras's kernel layout) from its input ``inputs`` and the
     gradient ``delta`` at its output (both batch first, in Keras's ``data_format``), or
-    ``None`` where this does not apply (another rank, an unknown padding).
+    ``None`` where this does not apply (another rank, an unknown padding, patches of more
+    than ``PATCH_LIMIT`` entries).
 
     Example i's patches (a strided view of the channels-last input, copied once:
     ``(B, L, k C_in)`` for ``L`` output positions) times its output gradient
@@ -295,6 +300,8 @@ def conv_kernel_per_example(inputs, delta, kernel_size, strides, padding, dilati
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilation
     if rows != (height - (kh - 1) * dh - 1) // sh + 1 or columns != (width - (kw - 1) * dw - 1) // sw + 1:
         return None
+    if batch * rows * columns * kh * kw * channels > PATCH_LIMIT:
+        return None  # the patches are k times the input: the vjp instead, without them
     s0, s1, s2, s3 = x.stride()
     patches = x.as_strided((batch, rows, columns, kh, kw, channels),
                            (s0, s1 * sh, s2 * sw, s1 * dh, s2 * dw, s3))
