@@ -5,15 +5,32 @@ Backend-neutral (``keras.ops``); this module imports nothing else of pergrad.
 
 from __future__ import annotations
 
+import functools
+
 import keras
 from keras import ops
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype) -> str:
+    return keras.backend.standardize_dtype(dtype)
+
+
+def dtype_name(dtype) -> str:
+    """``keras.backend.standardize_dtype(dtype)``, remembered per dtype object: the
+    statistics path asks it of every tensor it touches, and Keras's answer costs
+    microseconds (eager torch steps run it hundreds of times)."""
+    try:
+        return _dtype_name(dtype)
+    except TypeError:  # an unhashable dtype
+        return keras.backend.standardize_dtype(dtype)
 
 
 def is_float(value) -> bool:
     """Whether ``value`` is a tensor (it has a shape and a dtype) of a floating-point dtype."""
     if isinstance(value, (bool, int, float, complex)) or not hasattr(value, "dtype"):
         return False
-    return hasattr(value, "shape") and "float" in keras.backend.standardize_dtype(value.dtype)
+    return hasattr(value, "shape") and "float" in dtype_name(value.dtype)
 
 
 def example_rows(tensor, dtype=None):

@@ -24,6 +24,12 @@ def test_sorted_ranks_match_numpy_and_decline_what_they_cannot_sort():
     x = _values()
     ranks = adapter.sorted_ranks(torch.from_numpy(x), 2, 5)
     np.testing.assert_array_equal(ranks.numpy(), np.sort(x, axis=0)[2:5])
+    for block_bytes in (1, 2 * 7 * 4, 3 * 7 * 4):  # blocks of 1, 2 and 3 columns (a partial last one)
+        blocked = adapter.sorted_ranks(torch.from_numpy(x), 2, 5, block_bytes=block_bytes)
+        np.testing.assert_array_equal(blocked.numpy(), np.sort(x, axis=0)[2:5])
+        ranks, nan = adapter.sorted_ranks(torch.from_numpy(x), 2, 5, block_bytes=block_bytes, with_nan=True)
+        np.testing.assert_array_equal(ranks.numpy(), np.sort(x, axis=0)[2:5])
+        np.testing.assert_array_equal(nan.numpy(), np.isnan(x).any(axis=0))
     assert adapter.sorted_ranks(torch.from_numpy(x).requires_grad_(True), 2, 5) is None
     assert adapter.sorted_ranks(torch.from_numpy(x).to(torch.bfloat16), 2, 5) is None
 
@@ -39,9 +45,18 @@ def test_default_strategy_falls_back_to_top_k(monkeypatch):
     expected = np.median(x.numpy(), axis=0)
     np.testing.assert_allclose(selection.median(x).numpy(), expected, rtol=1e-6)
     calls = []
-    monkeypatch.setattr(selection.adapter(), "sorted_ranks", lambda *a: calls.append(a) or None)
+    monkeypatch.setattr(selection.adapter(), "sorted_ranks", lambda *a, **k: calls.append(a) or None)
     np.testing.assert_allclose(selection.median(x).numpy(), expected, rtol=1e-6)  # by top_k
     assert calls
+    # a NaN coordinate: NaN, told by the sort (and by top_k's fallback, checked above)
+    monkeypatch.undo()
+    x[5, 4] = float("nan")
+    for rule, reference in ((selection.median, np.median(x.numpy(), axis=0)),
+                            (lambda t: selection.trimmed_mean(t, 2), None)):
+        out = rule(x).numpy()
+        assert np.isnan(out[4]) and np.isfinite(out[:4]).all()
+        if reference is not None:
+            np.testing.assert_allclose(out, reference, rtol=1e-6)
 
 
 def test_dense_formulas_in_raw_torch_match_the_keras_ops_ones(monkeypatch):
@@ -66,3 +81,79 @@ def test_dense_formulas_in_raw_torch_match_the_keras_ops_ones(monkeypatch):
     a, d, w = (ops.convert_to_numpy(t) for t in (a, d, w))
     np.testing.assert_allclose(fast[0], (a * a).sum(1) * (d * d).sum(1), rtol=1e-5)
     np.testing.assert_allclose(fast[1], a.T @ (d * w[:, None]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls, shape, options", [
+    ("Conv2D", (9, 11, 3), {"padding": "same", "strides": 2}),
+    ("Conv2D", (9, 8, 3), {"padding": "same", "dilation_rate": 2, "data_format": "channels_first"}),
+    ("Conv2D", (7, 7, 2), {"kernel_size": 2, "strides": (2, 1)}),
+    ("Conv1D", (13, 4), {"padding": "same", "strides": 2, "data_format": "channels_first"}),
+    ("Conv1D", (10, 2), {"padding": "causal"}),  # declined: the layer's vjp
+])
+def test_convolution_patches_match_the_layers_vjp(cls, shape, options):
+    import torch
+
+    from pergrad.layer_rules import rule_for
+    from pergrad.layer_rules.base import PreActivationRule
+
+    options = {"kernel_size": 3, **options}
+    layer = getattr(keras.layers, cls)(4, **options)
+    if options.get("data_format") == "channels_first":
+        shape = shape[-1:] + shape[:-1]
+    layer.build((None,) + shape)
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((5,) + shape).astype(np.float32))
+    delta = torch.from_numpy(rng.standard_normal(tuple(layer(x).shape)).astype(np.float32))
+    rule = rule_for(layer)
+    values = [v.value for v in rule.variables(layer)]
+    patches = rule.per_example(layer, values, x, delta)
+    vjp = PreActivationRule.per_example(rule, layer, values, x, delta)
+    for mine, reference in zip(patches, vjp):
+        assert tuple(mine.shape) == tuple(reference.shape)
+        np.testing.assert_allclose(mine.numpy(), reference.detach().numpy(), rtol=1e-5, atol=1e-5)
+    # and the kernel's against the definition: sum over positions of patch ⊗ delta
+    if cls == "Conv2D" and "data_format" not in options and options.get("padding") is None:
+        sh, sw = options["strides"]
+        k = options["kernel_size"]
+        rows, columns = delta.shape[1:3]
+        expected = np.zeros((5, k, k, shape[-1], 4), np.float32)
+        for r in range(rows):
+            for c in range(columns):
+                patch = x.numpy()[:, r * sh:r * sh + k, c * sw:c * sw + k, :]
+                expected += patch[..., None] * delta.numpy()[:, r, c, None, None, None, :]
+        np.testing.assert_allclose(patches[0].numpy(), expected, rtol=1e-5, atol=1e-5)
+    from pergrad.backend import torch as adapter
+
+    declined = adapter.conv_kernel_per_example(x, delta, layer.kernel_size, layer.strides, layer.padding,
+                                               layer.dilation_rate, layer.data_format == "channels_last")
+    assert (declined is None) == (options.get("padding") == "causal")
+
+
+def test_convolution_patches_beyond_the_limit_take_the_vjp(monkeypatch):
+    import torch
+
+    from pergrad.backend import torch as adapter
+
+    x, delta = torch.ones((2, 5, 5, 3)), torch.ones((2, 3, 3, 4))
+    args = ((3, 3), (1, 1), "valid", (1, 1), True)
+    assert adapter.conv_kernel_per_example(x, delta, *args) is not None
+    monkeypatch.setattr(adapter, "PATCH_LIMIT", 2 * 9 * 27 - 1)
+    assert adapter.conv_kernel_per_example(x, delta, *args) is None
+
+
+def test_segment_sum_rows_matches_keras_segment_sum():
+    import torch
+    from keras import ops
+
+    from pergrad.backend import torch as adapter
+
+    rng = np.random.default_rng(5)
+    rows = torch.from_numpy(rng.standard_normal((9, 3, 2)).astype(np.float32))
+    ids = torch.tensor([0, 4, 4, -1, 2, 5, 0, 7, 4], dtype=torch.int32)  # -1, 5, 7: dropped
+    mine = adapter.segment_sum_rows(rows, ids, 5)
+    np.testing.assert_allclose(mine.numpy(), ops.segment_sum(rows, ids, num_segments=5).numpy(), rtol=1e-6)
+    expected = np.zeros((5, 3, 2), np.float32)
+    for row, i in zip(rows.numpy(), ids.tolist()):
+        if 0 <= i < 5:
+            expected[i] += row
+    np.testing.assert_allclose(mine.numpy(), expected, rtol=1e-6)

@@ -95,6 +95,29 @@ def test_norms_gram_and_weighted_sums_match_the_materialized_path(name, caplog):
                                       [oracle.to_numpy(r) for r in reference], rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("formed", [False, True])
+def test_embedding_statistics_from_token_pairs_or_the_formed_tables(formed, monkeypatch):
+    # A table smaller than the token pairs' T x T matrices is formed (a position table);
+    # the problems' tables are small: both branches, against the materialized path.
+    from pergrad.layer_rules.embedding import EmbeddingRule
+
+    monkeypatch.setattr(EmbeddingRule, "materializes", lambda self, layer, inputs, delta: formed)
+    problem = _problem("embedding")
+    model = problem.model
+    stats = pergrad.per_example_statistics(model, problem.x, problem.y, problem.sample_weight, gram=True)
+    grads = pergrad.per_example_gradients(model, problem.x, problem.y, problem.sample_weight)
+    expected = ExampleStatistics.from_gradients(grads, gram=True)
+    for actual, reference in ((stats.squared_norms, expected.squared_norms), (stats.gram, expected.gram)):
+        np.testing.assert_allclose(oracle.to_numpy(actual), oracle.to_numpy(reference), rtol=RTOL, atol=ATOL)
+    rule = _FixedWeights()
+    trainable, states = _values(model)
+    result, _ = statistics.aggregate(PerExampleProblem(model, training=True), rule, trainable, states,
+                                     problem.x, problem.y, problem.sample_weight)
+    reference = rule.aggregate([ops.convert_to_tensor(g) for g in grads])
+    oracle.assert_gradients_close([oracle.to_numpy(r) for r in result],
+                                  [oracle.to_numpy(r) for r in reference], rtol=RTOL, atol=ATOL)
+
+
 class RegisteredScale(problems.Scale):
     pass
 

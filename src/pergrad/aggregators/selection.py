@@ -68,9 +68,11 @@ def _static_batch(x):
     return size if isinstance(size, int) else None
 
 
-def _with_nan(x, result):
-    """``result`` with NaN wherever a coordinate of ``x`` has a NaN over axis 0."""
-    has_nan = ops.any(ops.isnan(x), axis=0)
+def _with_nan(x, result, has_nan=None):
+    """``result`` with NaN wherever a coordinate of ``x`` has a NaN over axis 0
+    (``has_nan``, where the selection found them already)."""
+    if has_nan is None:
+        has_nan = ops.any(ops.isnan(x), axis=0)
     return ops.where(has_nan, ops.cast(float("nan"), result.dtype), result)
 
 
@@ -297,10 +299,24 @@ def _unrolled(name, x, *args):
 
 def _rank_sum(x, lo, hi, strategy):
     """Sum of the ascending ranks ``[lo, hi)`` over axis 0 of ``(B, ...)``; B static."""
+    return _rank_sum_and_nan(x, lo, hi, strategy)[0]
+
+
+def _rank_sum_and_nan(x, lo, hi, strategy):
+    """``(sum of the ranks [lo, hi), whether each coordinate has a NaN or None)``: the
+    adapter's sort (``"backend"``) tells the NaN coordinates as it sorts, sparing
+    :func:`_with_nan` a pass over ``x``."""
     flat = ops.reshape(x, (x.shape[0], -1))
-    rows = _ROWS[strategy](flat, lo, hi)
+    has_nan = None
+    ranks = getattr(adapter(), "sorted_ranks", None) if strategy == "backend" else None
+    found = None if ranks is None else ranks(flat, lo, hi, with_nan=True)
+    if found is not None:
+        rows, has_nan = found
+        has_nan = ops.reshape(has_nan, ops.shape(x)[1:])
+    else:
+        rows = _ROWS[strategy](flat, lo, hi)
     total = rows[0] if hi - lo == 1 else ops.sum(rows, axis=0)
-    return ops.reshape(total, ops.shape(x)[1:])
+    return ops.reshape(total, ops.shape(x)[1:]), has_nan
 
 
 # --------------------------------------------------------------------------------------
@@ -320,8 +336,8 @@ def _median(x, strategy):
         return x[0]
     if strategy == "unrolled":
         return _unrolled("median", x)
-    total = _rank_sum(x, (b - 1) // 2, b // 2 + 1, strategy)
-    return _with_nan(x, total if b % 2 else total / 2)
+    total, has_nan = _rank_sum_and_nan(x, (b - 1) // 2, b // 2 + 1, strategy)
+    return _with_nan(x, total if b % 2 else total / 2, has_nan)
 
 
 def _trimmed_mean(x, dropped, strategy):
@@ -336,8 +352,8 @@ def _trimmed_mean(x, dropped, strategy):
         return ops.mean(x, axis=0)
     if strategy == "unrolled":
         return _unrolled("trimmed_mean", x, dropped)
-    total = _rank_sum(x, dropped, b - dropped, strategy)
-    return _with_nan(x, total / (b - 2 * dropped))
+    total, has_nan = _rank_sum_and_nan(x, dropped, b - dropped, strategy)
+    return _with_nan(x, total / (b - 2 * dropped), has_nan)
 
 
 def _running_count(mask):

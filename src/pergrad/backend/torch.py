@@ -249,24 +249,112 @@ def weighted_row_sum_2d(delta, weights):
     return torch.matmul(weights, delta)
 
 
+def _same_padding(size, kernel, stride, dilation):
+    """``(left, right)``: Keras's "same" padding of one spatial axis (its torch backend's:
+    the odd pixel at the end)."""
+    effective = (kernel - 1) * dilation + 1
+    if stride == 1:
+        total = effective - 1
+    else:
+        total = max(0, (-(-size // stride) - 1) * stride + effective - size)
+    return total // 2, total - total // 2
+
+
+#: the most patch entries ``conv_kernel_per_example`` forms (128 MiB of float32)
+PATCH_LIMIT = 1 << 25
+
+
+def conv_kernel_per_example(inputs, delta, kernel_size, strides, padding, dilation, channels_last):
+    """``(B,) + kernel_size + (C_in, C_out)``: example i's kernel gradient of an ungrouped
+    1-D or 2-D convolution (Keras's kernel layout) from its input ``inputs`` and the
+    gradient ``delta`` at its output (both batch first, in Keras's ``data_format``), or
+    ``None`` where this does not apply (another rank, an unknown padding, patches of more
+    than ``PATCH_LIMIT`` entries).
+
+    Example i's patches (a strided view of the channels-last input, copied once:
+    ``(B, L, k C_in)`` for ``L`` output positions) times its output gradient
+    ``(B, L, C_out)``: one batched matmul with the FLOPs of the plain backward pass's
+    kernel gradient, instead of a vectorized vjp of the layer (a recomputed forward pass
+    and a convolution backward that ``torch.func.vmap`` batches as a grouped one, ~2x
+    slower on CPU). ``unfold`` builds the same patches channels-first, 5x slower.
+    """
+    rank = inputs.dim() - 2
+    if rank not in (1, 2) or padding not in ("valid", "same"):
+        return None
+    x, d = inputs, delta
+    if not channels_last:
+        x, d = x.movedim(1, -1), d.movedim(1, -1)  # (B, *spatial, C)
+    kernel_size, strides, dilation = (tuple(int(k) for k in v) for v in (kernel_size, strides, dilation))
+    if rank == 1:
+        x, d = x.unsqueeze(1), d.unsqueeze(1)
+        kernel_size, strides, dilation = (1,) + kernel_size, (1,) + strides, (1,) + dilation
+    if padding == "same":
+        pads = [0, 0]  # F.pad: the last axis (channels) first
+        for axis in (1, 0):
+            pads += _same_padding(x.shape[1 + axis], kernel_size[axis], strides[axis], dilation[axis])
+        if any(pads):
+            x = torch.nn.functional.pad(x, pads)
+    x = x.contiguous()
+    batch, height, width, channels = x.shape
+    rows, columns = d.shape[1], d.shape[2]
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilation
+    if rows != (height - (kh - 1) * dh - 1) // sh + 1 or columns != (width - (kw - 1) * dw - 1) // sw + 1:
+        return None
+    if batch * rows * columns * kh * kw * channels > PATCH_LIMIT:
+        return None  # the patches are k times the input: the vjp instead, without them
+    s0, s1, s2, s3 = x.stride()
+    patches = x.as_strided((batch, rows, columns, kh, kw, channels),
+                           (s0, s1 * sh, s2 * sw, s1 * dh, s2 * dw, s3))
+    patches = patches.reshape(batch, rows * columns, kh * kw * channels)
+    d = d.reshape(batch, rows * columns, d.shape[-1])
+    grads = torch.bmm(patches.transpose(1, 2), d).reshape(batch, kh, kw, channels, d.shape[-1])
+    return grads[:, 0] if rank == 1 else grads
+
+
+def segment_sum_rows(rows, ids, count):
+    """``(count, ...)``: ``rows`` (``(N, ...)``) summed by their ``ids`` (``(N,)``), ids
+    outside ``[0, count)`` dropped, as ``keras.ops.segment_sum`` gives it. One
+    ``index_add_``: Keras's torch version repeats every id to the rows' full shape and
+    passes the copy through two ``where`` and a ``scatter_reduce`` (an Embedding rule's
+    weighted sum over ``B x T`` rows: ~4x slower)."""
+    ids = ids.reshape(-1).long()
+    ids = torch.where((ids >= 0) & (ids < count), ids, count)
+    out = rows.new_zeros((count + 1,) + tuple(rows.shape[1:]))
+    return out.index_add_(0, ids, rows)[:-1]
+
+
 #: dtypes whose values NumPy sorts as torch orders them
 _NUMPY_SORTED = (torch.float32, torch.float64, torch.float16)
 
 
-def sorted_ranks(x, lo, hi):
+def sorted_ranks(x, lo, hi, block_bytes=1 << 20, with_nan=False):
     """Ranks ``[lo, hi)`` over axis 0 of a ``(B, N)`` CPU tensor, ascending, or ``None``
     where this does not apply (another device, a dtype NumPy lacks, a tensor that needs
-    gradients: ``pergrad.aggregators.selection`` then selects by ``top_k``).
+    gradients: ``pergrad.aggregators.selection`` then selects by ``top_k``). With
+    ``with_nan``, ``(ranks, (N,) whether the column holds a NaN)``: NaN sorts last, so
+    the column's largest rank tells, without another pass over ``x``.
 
-    NumPy's sort along axis 0 (vectorized, AVX-512 quicksort on x86) beats every torch
-    selection on CPU by about 5x: ``torch.topk`` and ``torch.sort`` of short rows cost
-    ~3 us a row (64 x 270k: ~1 s against ~0.2 s; ``benchmarks/selection.py``). NaN sorts
-    last in both; the callers give NaN to a coordinate with one anyway.
+    NumPy's sort of contiguous rows (its vectorized AVX-512 sort on x86) beats every torch
+    selection on CPU: ``torch.topk`` and ``torch.sort`` of short rows cost ~3 us a row
+    (64 x 270k: ~1 s against ~0.2 s; ``benchmarks/selection.py``). The columns are sorted
+    in blocks of about ``block_bytes``, each transposed to ``(columns, B)`` rows first: a
+    block stays in cache and each coordinate's ``B`` values are one contiguous row
+    (1.6x-4x faster than sorting over axis 0, which gathers every column with stride ``N``).
     """
-    if x.device.type != "cpu" or x.dtype not in _NUMPY_SORTED or x.requires_grad:
+    if x.device.type != "cpu" or x.dtype not in _NUMPY_SORTED or x.requires_grad or x.dim() != 2:
         return None
-    ordered = np.sort(x.numpy(), axis=0)[lo:hi]
-    return torch.from_numpy(np.ascontiguousarray(ordered))
+    values = x.numpy()
+    batch, count = values.shape
+    step = max(1, block_bytes // max(1, batch * values.itemsize))
+    ordered = np.empty((hi - lo, count), values.dtype)
+    nan = np.empty((count,), bool) if with_nan else None
+    for start in range(0, count, step):
+        rows = np.sort(np.ascontiguousarray(values[:, start:start + step].T), axis=1)
+        ordered[:, start:start + step] = rows[:, lo:hi].T
+        if with_nan:
+            np.isnan(rows[:, -1], out=nan[start:start + step])
+    ordered = torch.from_numpy(ordered)
+    return (ordered, torch.from_numpy(nan)) if with_nan else ordered
 
 
 def noise_words(key, step, count, chunk=1 << 16):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import functools
 
-import keras
 from keras import ops, tree
 
 from pergrad import replicas
@@ -30,21 +29,21 @@ from pergrad.layer_rules.base import (
     per_example_vjp,
     variable_values,
 )
-from pergrad.tensors import example_rows, is_float
+from pergrad.tensors import dtype_name, example_rows, is_float
 
 _IDENTITY = RowMap()
 
 
 def _float32(tensor):
     """Float tensors in float32 (the statistics' dtype); integer ones (token ids) as they are."""
-    if not is_float(tensor) or keras.backend.standardize_dtype(tensor.dtype) == "float32":
+    if not is_float(tensor) or dtype_name(tensor.dtype) == "float32":
         return tensor
     return ops.cast(tensor, "float32")
 
 
 def _cast(tensor, dtype):
     """``tensor`` in ``dtype``, without an op where it already is (each op costs on torch)."""
-    if keras.backend.standardize_dtype(tensor.dtype) == keras.backend.standardize_dtype(dtype):
+    if dtype_name(tensor.dtype) == dtype_name(dtype):
         return tensor
     return ops.cast(tensor, dtype)
 

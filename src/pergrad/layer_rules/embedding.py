@@ -1,7 +1,8 @@
 """Embeddings: statistics from the token ids ``I`` and the output gradient ``D``.
 
 Example i's gradient is ``sum_t onehot(I_it) D_it^T`` (rows of the table that its
-tokens select), never formed:
+tokens select), not formed unless the table is smaller than the formulas' token
+pairs (``rows x d < 2 T^2``, a position table: then one segment sum per batch):
 
 - ``||g_i||^2 = sum_{t,s} [I_it = I_is] (D_it . D_is)``;
 - ``<g_i, g_j> = sum_{t,s} [I_it = I_js] (D_it . D_js)``;
@@ -20,10 +21,13 @@ of its table: the Embedding rule on those position ids.
 
 from __future__ import annotations
 
+import math
+
 import keras
 from keras import ops
 
 from pergrad.aggregators.base import row_scales
+from pergrad.backend import adapter
 from pergrad.layer_rules.base import (
     LayerRule,
     OutputRule,
@@ -40,6 +44,15 @@ from pergrad.layer_rules.dense import (
     outer_weighted_sum,
     sequence_positions,
 )
+
+
+def _segment_sum(rows, ids, count):
+    """``ops.segment_sum(rows, ids, num_segments=count)``, by the backend adapter's own
+    version where it has one (torch)."""
+    fast = getattr(adapter(), "segment_sum_rows", None)
+    if fast is not None:
+        return fast(rows, ids, count)
+    return ops.segment_sum(rows, ids, num_segments=count)
 
 
 def _flat(inputs, delta):
@@ -62,7 +75,13 @@ class EmbeddingRule(OutputRule):
         return layer.input_dim
 
     def materializes(self, layer, inputs, delta) -> bool:
-        return False  # norms and weighted sums: token pairs and a segment sum, always
+        # Example i's table (rows x d, one segment sum) when it is smaller than the token
+        # pairs' two T x T matrices, as Dense decides: a position table of T rows.
+        positions, width = tuple(inputs.shape[1:]), delta.shape[-1]
+        if width is None or any(p is None for p in positions):
+            return False
+        count = math.prod(positions)
+        return self.rows(layer) * width < 2 * count * count
 
     def per_example(self, layer, values, inputs, delta) -> list:
         ids, d = _flat(inputs, delta)
@@ -70,7 +89,7 @@ class EmbeddingRule(OutputRule):
         # Example b's rows of the table: one segment sum over (b, id) pairs, B x T x d adds.
         segments = ops.reshape(ids + ops.arange(batch, dtype="int32")[:, None] * vocab, (-1,))
         rows = ops.reshape(d, (-1, ops.shape(d)[-1]))
-        table = ops.segment_sum(rows, segments, num_segments=batch * vocab)
+        table = _segment_sum(rows, segments, batch * vocab)
         return [ops.reshape(table, (batch, vocab, ops.shape(d)[-1]))]
 
     def factors(self, layer, values, inputs, delta) -> list:
@@ -130,12 +149,12 @@ class EmbeddingRule(OutputRule):
         group_sums = ops.einsum("bts,bsq->btq", same, d)
         shares = ops.square(group_sums) / ops.sum(same, axis=2)[:, :, None]
         rows = ops.reshape(shares, (-1, ops.shape(d)[-1]))
-        return [ops.segment_sum(rows, ops.reshape(ids, (-1,)), num_segments=self.rows(layer))]
+        return [_segment_sum(rows, ops.reshape(ids, (-1,)), self.rows(layer))]
 
     def weighted_sum(self, layer, values, inputs, delta, weights) -> list:
         ids, d = _flat(inputs, delta)
         rows = ops.reshape(d * weights[0][:, None, None], (-1, ops.shape(d)[-1]))
-        table = ops.segment_sum(rows, ops.reshape(ids, (-1,)), num_segments=self.rows(layer))
+        table = _segment_sum(rows, ops.reshape(ids, (-1,)), self.rows(layer))
         return [table]
 
 
