@@ -33,6 +33,14 @@ def is_float(value) -> bool:
     return hasattr(value, "shape") and "float" in dtype_name(value.dtype)
 
 
+def as_float32(tensor):
+    """Float tensors in float32 (the statistics' dtype), without an op where they are
+    already; integer ones (token ids) as they are."""
+    if not is_float(tensor) or dtype_name(tensor.dtype) == "float32":
+        return tensor
+    return ops.cast(tensor, "float32")
+
+
 def example_rows(tensor, dtype=None):
     """``(B, ...) -> (B, size)``: example i's entries as row i (cast to ``dtype`` when given)."""
     if dtype is not None:

@@ -29,16 +29,9 @@ from pergrad.layer_rules.base import (
     per_example_vjp,
     variable_values,
 )
-from pergrad.tensors import dtype_name, example_rows, is_float
+from pergrad.tensors import as_float32, dtype_name, example_rows, is_float
 
 _IDENTITY = RowMap()
-
-
-def _float32(tensor):
-    """Float tensors in float32 (the statistics' dtype); integer ones (token ids) as they are."""
-    if not is_float(tensor) or dtype_name(tensor.dtype) == "float32":
-        return tensor
-    return ops.cast(tensor, "float32")
 
 
 def _cast(tensor, dtype):
@@ -110,8 +103,8 @@ class Layers:
                 # (no such axis) comes broadcast.
                 inputs = ops.squeeze(inputs, 1) if leading_one(call.input_shape) else inputs
                 delta = ops.squeeze(delta, 1) if leading_one(call.specs[0][0]) else delta
-            delta = _float32(delta)
-            self.inputs.append(_float32(inputs))
+            delta = as_float32(delta)
+            self.inputs.append(as_float32(inputs))
             self.deltas.append(delta if inverse_scale is None else delta * inverse_scale)
         self.inverse_scale = inverse_scale
         uses = {}
@@ -326,7 +319,7 @@ class Layers:
             def keep(indices, value):
                 found, found_scales = value if scaled else (value, [None] * len(value))
                 for k, n, scale in zip(indices, found, found_scales):
-                    norms[k], scales[k] = _float32(n), scale
+                    norms[k], scales[k] = as_float32(n), scale
 
             statistic = "scaled_squared_norms" if scaled else "squared_norms"
             for call, value in self._per_call(statistic, from_rows):
@@ -335,7 +328,7 @@ class Layers:
                 norms[k], scales[k] = n, scale
             zeros, ones = ops.zeros((batch_size,), "float32"), ops.ones((batch_size,), "float32")
             norms = [zeros if n is None else n for n in norms]
-            return norms, [ones if s is None else _float32(s) for s in scales]
+            return norms, [ones if s is None else as_float32(s) for s in scales]
 
         def rescaled():
             norms, scales = columns(True)
@@ -401,7 +394,7 @@ class Layers:
 
         def weight(v):
             w = weights if len(weights.shape) == 1 else weights[:, self.index_of[id(v)]]
-            return _float32(w)
+            return as_float32(w)
 
         def from_rows(rows, ws):
             return [ops.matmul(w[None, :], r)[0] for r, w in zip(rows, ws)]
@@ -412,7 +405,7 @@ class Layers:
         for call, sums in calls:
             for v, part in zip(call.variables, sums):
                 k = self.index_of[id(v)]
-                part = _float32(part)
+                part = as_float32(part)
                 if tuple(part.shape) != tuple(v.shape):
                     part = ops.reshape(part, v.shape)
                 out[k] = part if out[k] is None else out[k] + part

@@ -27,11 +27,12 @@ from pergrad import replicas
 from pergrad.aggregators.base import LOCAL_SUM, ExampleStatistics
 from pergrad.backend import adapter
 from pergrad.engine.capture import capture, grad_with_aux, has_convolutions, weighted_losses
-from pergrad.engine.layers import Layers, _float32
+from pergrad.engine.layers import Layers
 from pergrad.engine.materialized import per_example_gradients
 from pergrad.engine.plan import Unsupported, cached_plan
 from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
 from pergrad.log import warn_once
+from pergrad.tensors import as_float32
 
 __all__ = ["Unsupported", "aggregate", "per_example_statistics", "prepare", "statistics"]
 
@@ -126,7 +127,7 @@ def _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, b
             size = ops.cast(batch_size, "float32")
             aux["batch_mean"] = [ops.cast(g, "float32") / size for g in result]
         else:  # (no op: each costs on an eager backend)
-            aux["batch_mean"] = [_float32(g) for g in result]
+            aux["batch_mean"] = [as_float32(g) for g in result]
     stats = ExampleStatistics(ops.zeros((batch_size, len(variables)), "float32"))
     return aggregator.finalize(result, stats), aux
 
