@@ -41,6 +41,14 @@ def as_float32(tensor):
     return ops.cast(tensor, "float32")
 
 
+def gram_block(rows, split=None):
+    """``rows rowsᵀ`` of a ``(B, N)`` matrix, or only its block ``[:split, split:]`` (the
+    first ``split`` rows against the others) when ``split`` is given."""
+    if split is None:
+        return ops.matmul(rows, ops.transpose(rows))
+    return ops.matmul(rows[:split], ops.transpose(rows[split:]))
+
+
 def example_rows(tensor, dtype=None):
     """``(B, ...) -> (B, size)``: example i's entries as row i (cast to ``dtype`` when given)."""
     if dtype is not None:

@@ -29,7 +29,7 @@ from pergrad.layer_rules.base import (
     per_example_vjp,
     variable_values,
 )
-from pergrad.tensors import as_float32, dtype_name, example_rows, is_float
+from pergrad.tensors import as_float32, dtype_name, example_rows, gram_block, is_float
 
 _IDENTITY = RowMap()
 
@@ -343,12 +343,12 @@ class Layers:
     def gram(self, batch_size):
         total = ops.zeros((batch_size, batch_size), "float32")
         def from_rows(rows):
-            return sum(ops.matmul(r, ops.transpose(r)) for r in rows)
+            return sum(gram_block(r) for r in rows)
 
         for _, part in self._per_call("gram", from_rows):
             total = total + ops.cast(part, "float32")
         for rows in self._shared_variables().values():
-            total = total + ops.matmul(rows, ops.transpose(rows))
+            total = total + gram_block(rows)
         return total
 
     @_in_context
@@ -357,7 +357,7 @@ class Layers:
         block of :meth:`gram`, each rule's :meth:`~pergrad.layer_rules.LayerRule.cross_gram`)."""
 
         def from_rows(rows, _split=None):
-            return sum(ops.matmul(r[:split], ops.transpose(r[split:])) for r in rows)
+            return sum(gram_block(r, split) for r in rows)
 
         total = 0.0
         for _, part in self._per_call("cross_gram", from_rows, lambda call: (split,)):

@@ -40,7 +40,7 @@ from keras import ops
 from pergrad import compat
 from pergrad.aggregators.base import row_scales
 from pergrad.backend import adapter
-from pergrad.tensors import example_rows, is_float, scale_rows
+from pergrad.tensors import example_rows, gram_block, is_float, scale_rows
 
 _RULES: dict[type, LayerRule] = {}
 # Rules for classes named by their dotted path (a package pergrad does not import,
@@ -234,8 +234,7 @@ class LayerRule:
 
     def gram(self, layer, values, inputs, delta):
         """``(B, B)``: ``<g_i, g_j>`` summed over the rule's variables."""
-        rows = [example_rows(g) for g in self.per_example(layer, values, inputs, delta)]
-        return sum(ops.matmul(r, ops.transpose(r)) for r in rows)
+        return self.cross_gram_of_rows(layer, values, inputs, delta, None)
 
     def cross_gram(self, layer, values, inputs, delta, split: int):
         """``(split, B - split)``: ``<g_i, g_j>`` for ``i < split <= j``, summed over the rule's
@@ -248,9 +247,10 @@ class LayerRule:
         return self.cross_gram_of_rows(layer, values, inputs, delta, split)
 
     def cross_gram_of_rows(self, layer, values, inputs, delta, split: int):
-        """:meth:`cross_gram` from :meth:`per_example` (for the rules' own fallbacks)."""
+        """:meth:`cross_gram` from :meth:`per_example` (for the rules' own fallbacks; with
+        ``split=None`` the whole :meth:`gram`)."""
         rows = [example_rows(g) for g in self.per_example(layer, values, inputs, delta)]
-        return sum(ops.matmul(r[:split], ops.transpose(r[split:])) for r in rows)
+        return sum(gram_block(r, split) for r in rows)
 
     def sum_grad_squared(self, layer, values, inputs, delta) -> list:
         """``sum_i g_i ** 2`` per coordinate, one tensor of each variable's shape.

@@ -34,6 +34,7 @@ from pergrad.layer_rules.base import (
     register_rule,
     slot_rows,
 )
+from pergrad.tensors import gram_block
 
 
 def _flat(inputs, delta):
@@ -131,6 +132,19 @@ def variable_value(variable, variables, values):
 
 def lora_scale(layer) -> float:
     return layer.lora_alpha / layer.lora_rank
+
+
+def outer_gram(pieces, split=None):
+    """``sum (A Aᵀ) * (D Dᵀ)`` over ``(A, D)`` pieces (``A`` None: ``D Dᵀ``, a bias): the
+    Gram matrix of per-example gradients ``a_i ⊗ d_i`` without forming them, or its block
+    ``[:split, split:]`` (:func:`~pergrad.tensors.gram_block`)."""
+    total = 0.0
+    for a, d in pieces:
+        dd = gram_block(ops.reshape(d, (ops.shape(d)[0], -1)), split)
+        if a is not None:
+            dd = gram_block(ops.reshape(a, (ops.shape(a)[0], -1)), split) * dd
+        total = total + dd
+    return total
 
 
 @register_rule(keras.layers.Dense)
@@ -238,29 +252,13 @@ class DenseRule(PreActivationRule):
     def gram(self, layer, values, inputs, delta):
         if len(inputs.shape) != 2 and sequence_positions(inputs) != 1:
             return super().gram(layer, values, inputs, delta)
-        total = 0.0
-        for a, d in self._pieces(layer, values, inputs, delta):
-            d = ops.reshape(d, (ops.shape(d)[0], -1))
-            dd = ops.matmul(d, ops.transpose(d))
-            if a is not None:
-                a = ops.reshape(a, (ops.shape(a)[0], -1))
-                dd = ops.matmul(a, ops.transpose(a)) * dd
-            total = total + dd
-        return total
+        return outer_gram(self._pieces(layer, values, inputs, delta))
 
     def cross_gram(self, layer, values, inputs, delta, split: int):
         if len(inputs.shape) != 2 and sequence_positions(inputs) != 1:
             # (per-example gradients, as gram's: cheaper than T^2 position pairs here)
             return self.cross_gram_of_rows(layer, values, inputs, delta, split)
-        total = 0.0
-        for a, d in self._pieces(layer, values, inputs, delta):
-            d = ops.reshape(d, (ops.shape(d)[0], -1))
-            dd = ops.matmul(d[:split], ops.transpose(d[split:]))
-            if a is not None:
-                a = ops.reshape(a, (ops.shape(a)[0], -1))
-                dd = ops.matmul(a[:split], ops.transpose(a[split:])) * dd
-            total = total + dd
-        return total
+        return outer_gram(self._pieces(layer, values, inputs, delta), split)
 
     def sum_grad_squared(self, layer, values, inputs, delta) -> list:
         # One position per example: the kernel's g_i is a_i ⊗ d_i, whose squares sum

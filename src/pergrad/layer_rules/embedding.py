@@ -38,6 +38,7 @@ from pergrad.layer_rules.base import (
     slot_rows,
 )
 from pergrad.layer_rules.dense import (
+    outer_gram,
     outer_materializes,
     outer_per_example,
     outer_squared_norms,
@@ -53,6 +54,12 @@ def _segment_sum(rows, ids, count):
     if fast is not None:
         return fast(rows, ids, count)
     return ops.segment_sum(rows, ids, num_segments=count)
+
+
+def _token_pairs(ids, d, other_ids, other_d):
+    """``(n, m)``: ``sum_{t,s} [I_it = I'_js] (D_it . D'_js)`` between two sets of examples."""
+    same = ops.cast(ops.equal(ids[:, None, :, None], other_ids[None, :, None, :]), d.dtype)
+    return ops.sum(same * ops.einsum("ato,bso->abts", d, other_d), axis=(2, 3))
 
 
 def _flat(inputs, delta):
@@ -113,8 +120,7 @@ class EmbeddingRule(OutputRule):
         if positions is None or positions * positions > self.rows(layer):
             # Token pairs of two examples cost B^2 T^2 d, the per-example tables B^2 vocab d.
             return super().gram(layer, values, inputs, delta)
-        same = ops.cast(ops.equal(ids[:, None, :, None], ids[None, :, None, :]), d.dtype)
-        return ops.sum(same * ops.einsum("ato,bso->abts", d, d), axis=(2, 3))
+        return _token_pairs(ids, d, ids, d)
 
     def cross_gram(self, layer, values, inputs, delta, split: int):
         ids, d = _flat(inputs, delta)
@@ -124,8 +130,7 @@ class EmbeddingRule(OutputRule):
             return self.cross_gram_of_rows(layer, values, inputs, delta, split)
         if positions * positions * split <= vocab:
             # Token pairs of the two sides, B T n^2 d, cost less than the tables.
-            same = ops.cast(ops.equal(ids[:split, None, :, None], ids[None, split:, None, :]), d.dtype)
-            return ops.sum(same * ops.einsum("ato,bso->abts", d[:split], d[split:]), axis=(2, 3))
+            return _token_pairs(ids[:split], d[:split], ids[split:], d[split:])
         # The second side's tables (B - split, vocabulary, d), read at the first side's ids:
         # <g_i, g_j> = sum_t <D_it, table_j[I_it]>, B n (B - split) d, no first-side table.
         (tables,) = EmbeddingRule.per_example(self, layer, values, ids[split:], d[split:])
@@ -242,19 +247,14 @@ if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras >= 3.13; keras-hub's s
                 return super().gram(layer, values, inputs, delta)
             if sequence_positions(inputs) != 1:
                 return LayerRule.gram(self, layer, values, inputs, delta)
-            batch = ops.shape(delta)[0]
-            h, d = ops.reshape(inputs, (batch, -1)), ops.reshape(delta, (batch, -1))
-            return ops.matmul(h, ops.transpose(h)) * ops.matmul(d, ops.transpose(d))
+            return outer_gram([(inputs, delta)])
 
         def cross_gram(self, layer, values, inputs, delta, split: int):
             if not _reverse(inputs, delta):
                 return super().cross_gram(layer, values, inputs, delta, split)
             if sequence_positions(inputs) != 1:
                 return self.cross_gram_of_rows(layer, values, inputs, delta, split)
-            batch = ops.shape(delta)[0]
-            h, d = ops.reshape(inputs, (batch, -1)), ops.reshape(delta, (batch, -1))
-            return (ops.matmul(h[:split], ops.transpose(h[split:]))
-                    * ops.matmul(d[:split], ops.transpose(d[split:])))
+            return outer_gram([(inputs, delta)], split)
 
         def sum_grad_squared(self, layer, values, inputs, delta) -> list:
             if not _reverse(inputs, delta):
