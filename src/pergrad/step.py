@@ -164,11 +164,12 @@ def replica_plan(wrapper, x) -> ReplicaPlan:
     return ReplicaPlan(several, gathered, share, scale, engine_scale)
 
 
-def run_engine(wrapper, plan: ReplicaPlan, trainable_values, non_trainable_values, x, y, sample_weight):
+def run_engine(wrapper, problem, plan: ReplicaPlan, trainable_values, non_trainable_values, x, y,
+               sample_weight):
     """``(result, per_example, aux)``: the engine path's result (``None`` on the materialized
     path) or the per-example gradients (``None`` on the others; a DP rule's non-finite
-    examples zeroed), and the batch's ``aux`` (``y_pred``, ``seeds``, ``mask``, ...)."""
-    problem = wrapper._problem()
+    examples zeroed), and the batch's ``aux`` (``y_pred``, ``seeds``, ``mask``, ...);
+    ``problem``: the wrapper's (``wrapper._problem()``, derived once a step)."""
     aggregator = wrapper.aggregator
     path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
     aggregator.pop_batch_term()  # none left over from a traced step that raised
@@ -259,7 +260,7 @@ def combine_replicas(wrapper, plan: ReplicaPlan, result) -> list:
     return result
 
 
-def post_process(wrapper, plan: ReplicaPlan, result, per_example, aux, trainable_values) -> list:
+def post_process(wrapper, problem, plan: ReplicaPlan, result, per_example, aux, trainable_values) -> list:
     """The checked result made NaN when an example's gradient is not finite (not for DP
     rules), scaled to this replica's share, plus the regularizers' gradient (once over
     the replicas) and times the loss scale."""
@@ -270,7 +271,7 @@ def post_process(wrapper, plan: ReplicaPlan, result, per_example, aux, trainable
         result = replicas.finite_everywhere(result)
     if plan.share is not None:  # this replica's share of the single-device result
         result = [g * ops.cast(plan.share, g.dtype) for g in result]
-    _, regularization = wrapper._problem().regularization(trainable_values)
+    _, regularization = problem.regularization(trainable_values)
     if regularization is not None:
         # Batch-level: once in the replicas' sum.
         regularization = [replicas.first_replica(r) for r in regularization]
@@ -310,12 +311,13 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     """
     aggregator = wrapper.aggregator
     check_units(aggregator, units)
+    problem = wrapper._problem()
     plan = replica_plan(wrapper, x)
     if units is not None:  # read by the rule's weights, on whichever path
         aggregator.set_units(units)
     try:
         result, per_example, aux = run_engine(
-            wrapper, plan, trainable_values, non_trainable_values, x, y, sample_weight
+            wrapper, problem, plan, trainable_values, non_trainable_values, x, y, sample_weight
         )
         check_output_mask(wrapper, aux)
         if result is None:
@@ -324,12 +326,12 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
         if units is not None:
             aggregator.pop_units()
     result = combine_replicas(wrapper, plan, result)
-    result = post_process(wrapper, plan, result, per_example, aux, trainable_values)
+    result = post_process(wrapper, problem, plan, result, per_example, aux, trainable_values)
     request = wrapper._diagnostics_request()
     if request is not None:  # pergrad.diagnostics: logged with the rule's diagnostics
         from pergrad.diagnostics import batch_values
 
-        values = batch_values(request, wrapper._problem(), trainable_values, non_trainable_values, x, y,
+        values = batch_values(request, problem, trainable_values, non_trainable_values, x, y,
                               sample_weight, per_example, aux.get("layers"), aux.get("batch_mean"))
         wrapper._keep_reports({**(wrapper._take_reports() or {}), **values})
     y_pred = aux["y_pred"]

@@ -127,8 +127,9 @@ class StatefulTrainStep(_StepLimit):
         )
         # Each replica's own (kept per thread).
         reports = self._take_reports()
-        for position, state_value in zip(self._problem().seed_positions, seeds):
-            variables[position].assign(state_value)
+        if seeds:  # (a pass that draws no random numbers advances none)
+            for position, state_value in zip(self._problem().seed_positions, seeds):
+                variables[position].assign(state_value)
         # The logged loss is the one plain Keras reports for this batch
         # (before the update, with the same predictions; without the 1 / R
         # Keras's losses carry under a strategy with R replicas, as Keras logs it).

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from keras import ops
 
-from pergrad.tensors import example_rows
+from pergrad.backend import adapter
+from pergrad.tensors import as_float32, example_rows
 
 
 class ExampleStatistics:
@@ -117,16 +118,22 @@ def row_scales(tensor):
 
 
 def overflow_safe(plain, rescaled):
-    """``(squared norms, scale)``: ``(plain, ones)`` when every entry of ``plain`` (``(B, V)``
-    squared norms) is finite, else ``rescaled()``, which computes them divided by the
+    """``(squared norms, scale)``: ``(plain, ones)`` (on torch ``(plain, None)``) when every
+    entry of ``plain`` (``(B, V)`` squared norms) is finite, else ``rescaled()``, which computes them divided by the
     square of a ``(B, V)`` scale. One branch runs (``keras.ops.cond``): the rescaling costs
     nothing unless a squared norm overflowed (or a gradient is not finite)."""
-    plain = ops.cast(plain, "float32")
+    plain = as_float32(plain)
+    finite = ops.all(ops.isfinite(plain))
+    if getattr(adapter(), "EAGER_LOOPS", False):
+        # torch: the branch is chosen in Python anyway; the plain values' scale is None
+        # (all one: ExampleStatistics then skips the scale's arithmetic, a few ops
+        # whose dispatch costs more than their work).
+        return (plain, None) if bool(finite) else rescaled()
 
     def unscaled():
         return plain, ops.ones_like(plain)
 
-    return ops.cond(ops.all(ops.isfinite(plain)), unscaled, rescaled)
+    return ops.cond(finite, unscaled, rescaled)
 
 
 def squared_norms_of_rows(rows: list):

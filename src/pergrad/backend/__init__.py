@@ -60,9 +60,15 @@ class NotVectorizable(NotImplementedError):
 def adapter():
     """Returns the adapter module for the active Keras backend."""
     name = keras.backend.backend()
-    if name not in ("tensorflow", "jax", "torch"):
-        raise NotImplementedError(
-            f"pergrad supports the tensorflow, jax and torch backends; the active "
-            f"Keras backend is {name!r}."
-        )
-    return importlib.import_module(f"pergrad.backend.{name}")
+    module = _ADAPTERS.get(name)  # (keyed on the backend: called many times a step)
+    if module is None:
+        if name not in ("tensorflow", "jax", "torch"):
+            raise NotImplementedError(
+                f"pergrad supports the tensorflow, jax and torch backends; the active "
+                f"Keras backend is {name!r}."
+            )
+        module = _ADAPTERS[name] = importlib.import_module(f"pergrad.backend.{name}")
+    return module
+
+
+_ADAPTERS = {}

@@ -209,7 +209,9 @@ def aggregate(
         if one_pass:
             sums = accumulate(sums, rows, [partial] * len(rows))
         else:
-            out["squared_norms"], out["scale"] = squared_norms_of_rows(rows)
+            norms, scale = squared_norms_of_rows(rows)
+            # (every chunk's scale a tensor: one chunk's may be None on torch, another's not)
+            out["squared_norms"], out["scale"] = norms, ops.ones_like(norms) if scale is None else scale
         return sums, out
 
     zeros = [ops.zeros((math.prod(s),), dtype=v.dtype) for s, v in zip(shapes, trainable_values)]

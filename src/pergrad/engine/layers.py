@@ -326,8 +326,12 @@ class Layers:
                 keep([self.index_of[id(v)] for v in call.variables], value)
             for k, (n, scale) in self._shared_squared_norms(scaled).items():
                 norms[k], scales[k] = n, scale
-            zeros, ones = ops.zeros((batch_size,), "float32"), ops.ones((batch_size,), "float32")
-            norms = [zeros if n is None else n for n in norms]
+            if any(n is None for n in norms):  # a variable no call reads
+                zeros = ops.zeros((batch_size,), "float32")
+                norms = [zeros if n is None else n for n in norms]
+            if not scaled:
+                return norms, None
+            ones = ops.ones((batch_size,), "float32")
             return norms, [ones if s is None else as_float32(s) for s in scales]
 
         def rescaled():

@@ -225,10 +225,11 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         keep = ExampleStatistics(norms, scale=scale).finite
         layers.zero_rows(keep)
         norms = ops.where(keep[:, None], norms, ops.zeros_like(norms))
-        scale = ops.where(keep[:, None], scale, ops.ones_like(scale))
+        if scale is not None:
+            scale = ops.where(keep[:, None], scale, ops.ones_like(scale))
     whole = layers.gathered() if gathered and aggregator.needs_gram else layers
     if gathered:
-        norms, scale = replicas.gather(norms), replicas.gather(scale)
+        norms, scale = replicas.gather(norms), map_optional(replicas.gather, scale)
     gram = whole.gram(ops.shape(norms)[0]) if aggregator.needs_gram else None
     stats = ExampleStatistics(norms, gram, scale=scale)
     weights = ops.stop_gradient(aggregator.example_weights(stats))
