@@ -113,6 +113,62 @@ def test_l2_regularizer_changes_training():
     assert max(float(np.abs(a - b).max()) for a, b in zip(*ends)) > 1e-4
 
 
+def _expected_loss(wrapper, problem):
+    """Keras's compute_loss of the batch with the weights before the step (as fit logs it)."""
+    y_pred = wrapper.model(problem.x, training=True)
+    return float(ops.convert_to_numpy(wrapper.compute_loss(
+        x=problem.x, y=problem.y, y_pred=y_pred, sample_weight=problem.sample_weight)))
+
+
+@pytest.mark.parametrize("rule", ["mean", "clip", "median"])
+@pytest.mark.parametrize("name, l2", [("dense_mlp", None), ("dense_mlp", 0.05), ("multi_output", None),
+                                      ("masked", None)])
+def test_logged_loss_is_keras_compute_loss_of_the_batch(rule, name, l2):
+    """The logged loss is compute_loss on the batch before the update, whether the step
+    reuses its pass's batch loss (one output, no regularizer) or computes it again."""
+    problem = problems.dense_mlp(l2=l2) if l2 else problems.make(name)
+    aggregator = {"mean": pergrad.aggregators.mean(), "clip": pergrad.aggregators.clip(0.01),
+                  "median": pergrad.aggregators.median()}[rule]
+    wrapper = pergrad.PerExampleModel(problem.model, aggregator)
+    problem.compile(wrapper, optimizer=_sgd())
+    wrapper.train_on_batch(problem.x, problem.y, sample_weight=problem.sample_weight)  # builds
+    for _ in range(2):
+        expected = _expected_loss(wrapper, problem)
+        logs = wrapper.train_on_batch(problem.x, problem.y, sample_weight=problem.sample_weight,
+                                      return_dict=True)
+        np.testing.assert_allclose(logs["loss"], expected, rtol=1e-6)
+    assert abs(_expected_loss(wrapper, problem) - expected) > 1e-6, "the step did not move the loss"
+
+
+def test_the_step_reuses_its_batch_loss_only_where_it_is_keras_compute_loss(monkeypatch):
+    """One output, no regularizer, Keras's compute_loss: the whole-batch pass's loss is
+    logged (compute_loss is not called again); a subclass's own compute_loss is called."""
+    calls = []
+    original = keras.Model.compute_loss
+
+    def counted(self, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    class Shifted(pergrad.PerExampleModel):
+        def compute_loss(self, *args, **kwargs):
+            return counted(self, *args, **kwargs) + 1.0
+
+    monkeypatch.setattr(keras.Model, "compute_loss", counted)
+    for cls in (pergrad.PerExampleModel, Shifted):
+        problem = problems.dense_mlp()
+        wrapper = cls(problem.model, pergrad.aggregators.clip(0.01))
+        problem.compile(wrapper, optimizer=_sgd())
+        weights = problem.sample_weight
+        wrapper.train_on_batch(problem.x, problem.y, sample_weight=weights)  # builds, traces
+        expected = _expected_loss(wrapper, problem)
+        calls.clear()
+        logs = wrapper.train_on_batch(problem.x, problem.y, sample_weight=weights, return_dict=True)
+        np.testing.assert_allclose(logs["loss"], expected, rtol=1e-6)  # (Shifted's: 1 more)
+        if BACKEND == "torch":  # (a traced TF or JAX step calls nothing again)
+            assert calls == ([] if cls is pergrad.PerExampleModel else ["Shifted"])
+
+
 def test_microbatched_model_trains_like_plain_fit():
     problem, plain, plain_history, wrapper, history = oracle.fit_both(
         problems.dense_mlp, optimizer=_adam, wrapper_kwargs={"microbatch_size": 3}

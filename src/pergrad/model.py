@@ -276,7 +276,8 @@ class PerExampleModel(_TrainStep, keras.Model):
 
     def _aggregated_gradients(self, trainable_values, non_trainable_values, x, y, sample_weight,
                               units=None):
-        """Returns ``(gradients, y_pred, new_seed_states)`` for one batch (``pergrad.step``);
+        """Returns ``(gradients, y_pred, new_seed_states, logged_loss)`` for one batch
+        (``pergrad.step``: ``logged_loss`` is ``None`` where the step must compute it);
         ``units``: each example's user id, for a user-level rule."""
         return step.aggregated_gradients(
             self, trainable_values, non_trainable_values, x, y, sample_weight, units

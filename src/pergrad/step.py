@@ -292,7 +292,8 @@ def post_process(wrapper, problem, plan: ReplicaPlan, result, per_example, aux, 
 
 def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, sample_weight,
                          units=None):
-    """Returns ``(gradients, y_pred, new_seed_states)`` for one batch.
+    """Returns ``(gradients, y_pred, new_seed_states, logged_loss)`` for one batch;
+    ``logged_loss``: :func:`logged_loss` (``None``: the train step computes it).
 
     Pure in the variable values; the aggregator may assign its own state
     (the JAX step runs it inside a ``StatelessScope``).
@@ -337,4 +338,28 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     y_pred = aux["y_pred"]
     if "mask" in aux:
         compat.set_mask(tree.flatten(y_pred)[0], aux["mask"])
-    return result, y_pred, aux["seeds"]
+    return result, y_pred, aux["seeds"], logged_loss(wrapper, problem, aux)
+
+
+def logged_loss(wrapper, problem, aux):
+    """The loss Keras's ``compute_loss`` gives for the batch's logs, where the engine's
+    whole-batch pass already computed that number (``aux["batch_loss"]``), else ``None``.
+
+    The same number when the wrapper's ``compute_loss`` is Keras's own, the pass's loss is
+    the wrapper's compiled loss (not a replacement of an unreduced one), that loss updates
+    no per-output trackers (one output), the model adds no losses of its own
+    (regularizers) and one replica trains (no ``1 / R`` to undo). Derived on every step:
+    each of these may change.
+    """
+    loss = aux.get("batch_loss")
+    if loss is None or type(wrapper).compute_loss is not keras.Model.compute_loss:
+        return None
+    compile_loss = compat.compiled_loss(wrapper)
+    if problem.compile_loss is not compile_loss or compile_loss.metrics:
+        return None
+    if replicas.count(wrapper) > 1:
+        return None
+    # Keras adds `losses`: the trainable weights' regularizers (data losses are refused).
+    if any(getattr(v, "regularizer", None) is not None for v in wrapper.trainable_weights):
+        return None
+    return loss

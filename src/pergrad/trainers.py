@@ -71,7 +71,7 @@ class StatelessTrainStep(_StepLimit):
         mapping += list(zip(self.optimizer.variables, optimizer_variables))
         with keras.StatelessScope(state_mapping=mapping) as scope:
             allowed = self._update_allowed()
-            grads, y_pred, seeds = self._aggregated_gradients(
+            grads, y_pred, seeds, _ = self._aggregated_gradients(
                 trainable, [non_trainable[i] for i in inner], x, y, sample_weight, units
             )
         non_trainable = [
@@ -117,7 +117,7 @@ class StatefulTrainStep(_StepLimit):
         x = self._check_batch(x, y)
         allowed = self._update_allowed()
         variables = self.model.non_trainable_variables
-        grads, y_pred, seeds = self._aggregated_gradients(
+        grads, y_pred, seeds, loss = self._aggregated_gradients(
             [v.value for v in self.model.trainable_variables],
             [v.value for v in variables],
             x,
@@ -133,9 +133,10 @@ class StatefulTrainStep(_StepLimit):
         # The logged loss is the one plain Keras reports for this batch
         # (before the update, with the same predictions; without the 1 / R
         # Keras's losses carry under a strategy with R replicas, as Keras logs it).
-        loss = adapter().unscale_loss(
-            self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
-        )
+        if loss is None:  # (else the engine's pass computed this same number)
+            loss = adapter().unscale_loss(
+                self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+            )
         compat.loss_tracker(self).update_state(loss, sample_weight=ops.shape(tree.flatten(x)[0])[0])
         with adapter().no_grad(after=x):  # after the batch check (TF graphs)
             self._apply(grads, allowed)

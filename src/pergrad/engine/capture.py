@@ -95,7 +95,7 @@ def capture(problem, plan, trainable_values, batched, shared, batch_size, loss_s
                 values, shared["non_trainable"], batched["x"], batched.get("y"),
                 batched.get("sample_weight"),
             )
-        aux = {"y_pred": y_pred, "seeds": [], "captured": captured}
+        aux = {"y_pred": y_pred, "seeds": [], "captured": captured, "batch_loss": loss}
         if masks:
             aux["mask"] = masks[0]
         return loss, aux

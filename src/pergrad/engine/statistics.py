@@ -49,8 +49,11 @@ def _log_fallback(problem, plan):
 
 def finish_aux(problem, aux, non_trainable):
     """The ``aux`` a path returns: each example's ``loss`` times its scale ``c_i``,
-    ``y_pred``, ``mask`` (masked outputs) and the advanced ``seeds``."""
+    ``y_pred``, ``mask`` (masked outputs), the advanced ``seeds`` and, from a whole-batch
+    pass, the ``batch_loss`` as Keras reduces it (``PerExampleProblem.batch_loss``)."""
     out = {"y_pred": aux["y_pred"]}
+    if "batch_loss" in aux:
+        out["batch_loss"] = aux["batch_loss"]
     if "loss" in aux:  # (not from a whole-batch pass; the step does not read it)
         scale = aux["example_scale"]
         out["loss"] = aux["loss"] if scale is None else aux["loss"] * ops.cast(scale, aux["loss"].dtype)
@@ -98,7 +101,7 @@ def _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, b
         loss, y_pred, masks, _ = problem.batch_loss(
             values, non_trainable, batched["x"], batched.get("y"), batched.get("sample_weight")
         )
-        aux = {"y_pred": y_pred, "seeds": []}
+        aux = {"y_pred": y_pred, "seeds": [], "batch_loss": loss}
         if masks:
             aux["mask"] = masks[0]
         scaled = loss if loss_scale is None else loss * ops.cast(loss_scale, loss.dtype)
