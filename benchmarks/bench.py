@@ -40,7 +40,7 @@ Suites (``--suite``; ``--models`` and ``--variants`` override a suite's choice):
   (``--memory-variants`` chooses others).
 
 On TensorFlow the run sets ``TF_ENABLE_ONEDNN_OPTS=0`` (unless already set)
-whenever a ``tfm``, ``gpt`` or ``lora`` model is in it (``process.py``); the
+whenever a ``tfm``, ``gpt``, ``lora``, ``llama`` or ``bert`` model is in it (``process.py``); the
 header says which. Threads: one per backend by default (``--threads 0``: the
 backends' defaults). ``--memory`` (or ``--memory-only``, without the timing
 rounds) runs each (model, variant) again in a fresh process of this script
@@ -142,7 +142,8 @@ def parse_args(argv=None):
                         + ",".join(COORDINATE_QUICK_MODELS) + "); lm: the language models "
                         + ",".join(LM_MODELS) + " (keras-hub; quick: " + ",".join(LM_QUICK_MODELS) + ")")
     parser.add_argument("--models", default=None,
-                        help="comma list of mlp<B>/cnn<B>/tfm<B>/gpt<B>/lora<B> (default: the suite's)")
+                        help="comma list of mlp<B>/cnn<B>/tfm<B>/gpt<B>/lora<B>/llama<B>/bert<B> "
+                        "(default: the suite's)")
     parser.add_argument("--aggregations", default=",".join(recipes.DEFAULT_AGGREGATIONS),
                         help="the default suite's aggregations (default %(default)s; also "
                         + ",".join(a for a in recipes.AGGREGATIONS

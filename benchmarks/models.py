@@ -18,7 +18,13 @@ any batch size B:
   head is the token embedding, tied (``ReversibleEmbedding``); per-token loss on
   random tokens (next-token prediction);
 - ``lora<B>``: the same model after ``backbone.enable_lora(4)`` (only the LoRA
-  factors of the query and value projections are trained).
+  factors of the query and value projections are trained);
+- ``llama<B>``: keras-hub's ``LlamaCausalLM`` of the same sizes (4 query heads
+  sharing 2 key/value heads, rotary positions, RMS norms, a gated MLP, an untied
+  head), per-token loss as ``gpt<B>``;
+- ``bert<B>``: keras-hub's ``BertTextClassifier`` (``BertBackbone`` of the same
+  sizes: token, segment and position embeddings, post-LayerNorm) on 10 classes, one
+  label per example.
 
 The language models need keras-hub (a dev requirement).
 """
@@ -36,7 +42,9 @@ LEARNING_RATE = 0.01
 # the transformer classifier
 VOCAB, SEQUENCE, WIDTH, HEADS, KEY_DIM, FFN, CLASSES = 1000, 64, 64, 2, 32, 128, 10
 # the GPT-2-style language model (keras-hub) and its LoRA variant
-LM_KINDS = ("gpt", "lora")
+LM_KINDS = ("gpt", "lora", "llama")
+#: the keras-hub models (``--suite lm``'s rows)
+HUB_KINDS = LM_KINDS + ("bert",)
 LM_VOCAB, LM_SEQUENCE, LM_WIDTH, LM_LAYERS, LM_HEADS, LM_FFN, LORA_RANK = 8192, 128, 64, 2, 2, 256, 4
 
 # the rules' parameters, the same in every variant of a rule (pergrad's, the recipes', the peers')
@@ -49,11 +57,11 @@ BUCKET_SIZE = 8  # bucketing(BUCKET_SIZE, median())
 
 def parse_model(key: str) -> tuple[str, int]:
     """``"mlp64"`` -> ``("mlp", 64)``: the architecture and the batch size."""
-    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora)(\d+)", key)
+    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora|llama|bert)(\d+)", key)
     if not match:
         raise ValueError(
-            f"unknown model {key!r}: use mlp<batch>, cnn<batch>, tfm<batch>, gpt<batch> or "
-            "lora<batch>, e.g. mlp64, tfm64, gpt8"
+            f"unknown model {key!r}: use mlp<batch>, cnn<batch>, tfm<batch>, gpt<batch>, "
+            "lora<batch>, llama<batch> or bert<batch>, e.g. mlp64, tfm64, gpt8"
         )
     return match.group(1), int(match.group(2))
 
@@ -62,8 +70,12 @@ def build_model(kind: str) -> keras.Model:
     keras.utils.set_random_seed(SEED)  # every variant starts from the same weights
     if kind == "tfm":
         return build_transformer()
-    if kind in LM_KINDS:
+    if kind in ("gpt", "lora"):
         return build_language_model(lora=kind == "lora")
+    if kind == "llama":
+        return build_llama()
+    if kind == "bert":
+        return build_bert()
     if kind == "mlp":
         layers = [
             keras.Input((784,)),
@@ -119,8 +131,37 @@ def build_language_model(lora: bool) -> keras.Model:
     return model
 
 
+def build_llama() -> keras.Model:
+    """keras-hub's Llama causal LM (untied head), the GPT-2 model's sizes."""
+    import keras_hub
+
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=LM_VOCAB, num_layers=LM_LAYERS, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=LM_WIDTH, intermediate_dim=LM_FFN, dropout=0.0,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None, name="llama")
+
+
+def build_bert() -> keras.Model:
+    """keras-hub's BERT classifier, the GPT-2 model's sizes, 10 classes."""
+    import keras_hub
+
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=LM_VOCAB, num_layers=LM_LAYERS, num_heads=LM_HEADS, hidden_dim=LM_WIDTH,
+        intermediate_dim=LM_FFN, max_sequence_length=LM_SEQUENCE, dropout=0.0,
+    )
+    return keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=CLASSES, preprocessor=None,
+                                               dropout=0.0, name="bert")
+
+
 def make_data(kind: str, batch_size: int):
     rng = np.random.default_rng(SEED)
+    if kind == "bert":
+        x = {"token_ids": rng.integers(0, LM_VOCAB, size=(batch_size, LM_SEQUENCE)).astype("int32"),
+             "segment_ids": np.zeros((batch_size, LM_SEQUENCE), "int32"),
+             "padding_mask": np.ones((batch_size, LM_SEQUENCE), "int32")}
+        y = rng.integers(0, CLASSES, size=(batch_size,)).astype("int32")
+        return keras.tree.map_structure(ops.convert_to_tensor, x), ops.convert_to_tensor(y)
     if kind in LM_KINDS:  # next-token prediction on random tokens
         tokens = rng.integers(0, LM_VOCAB, size=(batch_size, LM_SEQUENCE + 1)).astype("int32")
         x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((batch_size, LM_SEQUENCE), "int32")}

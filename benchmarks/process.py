@@ -15,7 +15,7 @@ import os
 import sys
 
 #: model kinds with attention (``benchmarks/models.py``)
-ATTENTION_KINDS = ("tfm", "gpt", "lora")
+ATTENTION_KINDS = ("tfm", "gpt", "lora", "llama", "bert")
 
 
 def limit_threads(threads: int | None) -> None:

@@ -55,6 +55,7 @@ import pergrad
 from models import (
     BUCKET_SIZE,
     CLIP_NORM,
+    HUB_KINDS,
     KRUM_BYZANTINE,
     LEARNING_RATE,
     LM_KINDS,
@@ -506,7 +507,7 @@ def row_names(key: str, args) -> tuple[list[str], list[str]]:
         names = list(args.variants)
     elif args.suite == "coordinate":
         names = coordinate_variants(key)
-    elif kind in LM_KINDS:
+    elif kind in HUB_KINDS:
         names = [name for name in LM_VARIANTS if not unsupported(name, kind)]
     else:
         names = variant_names(args.aggregations, args.recipes, kind)

@@ -513,7 +513,8 @@ def reversible_embedding(batch=BATCH, seed=0):
     """A language model with tied input/output embeddings (``ReversibleEmbedding``, one
     table read as the embedding and, transposed, as the output layer; its logits soft-
     capped) and an untied one; per-token loss. Shapes put the tied head on the ghost
-    formula (2 T^2 <= d vocab) and the untied one on formed gradients."""
+    formula (3 T^2 < d vocab; its norm from blocks of the formed gradients, T > d vocab / (d + vocab))
+    and the untied one on formed gradients."""
     keras.utils.set_random_seed(seed)
     rng = _rng(seed)
     steps, vocab = 5, 11
@@ -752,11 +753,15 @@ def seeded_ids(vocab, *shape):
 
 
 def dense_sequence():
-    """Dense on (B, T, d): one layer takes the ghost formula (2T^2 <= d_in d_out), one materializes."""
+    """Dense on (B, T, d), T = 3, every branch of the kernel's statistics
+    (``dense.outer_materializes``: formed when ``d_in d_out <= 3 T^2``, else the ghost
+    norm by Gram matrices, or by gradients formed in blocks when ``T > d_in d_out / (d_in + d_out)``)."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((3, 4))
-    hidden = keras.layers.Dense(8, activation="relu")(inputs)  # 2*9 <= 32: ghost
-    hidden = keras.layers.Dense(2)(hidden)  # 2*9 > 16: materialized
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)  # 32 > 27, 96 < 108: ghost, blocks
+    hidden = keras.layers.Dense(8, activation="tanh")(hidden)  # 64 > 27, 192 > 144: ghost, Gram
+    hidden = keras.layers.Dense(3, activation="relu")(hidden)  # 18 < 24 <= 27: formed
+    hidden = keras.layers.Dense(2)(hidden)  # 6 <= 27: formed
     return classifier("dense_sequence", inputs, keras.layers.Flatten()(hidden), seeded_floats(BATCH, 3, 4))
 
 

@@ -118,6 +118,46 @@ def test_embedding_statistics_from_token_pairs_or_the_formed_tables(formed, monk
                                   [oracle.to_numpy(r) for r in reference], rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("positions, d_in, d_out, formed", [
+    (3, 4, 8, False), (3, 8, 8, False), (3, 8, 3, True), (3, 8, 2, True),  # dense_sequence's layers
+    (64, 64, 128, True), (64, 128, 64, True),  # the benchmark transformer's FFN (2T^2 = d_in d_out)
+    (128, 64, 8192, False),  # a tiny LM head
+    (2048, 4096, 4096, False), (2048, 4096, 11008, False),  # a 7B decoder's projections
+    (1, 64, 64, False), (None, 2, 2, True),
+])
+def test_dense_statistics_form_the_gradients_when_they_hold_no_more_than_the_ghost_formula(
+        positions, d_in, d_out, formed):
+    from pergrad.layer_rules.dense import outer_materializes
+
+    assert outer_materializes(positions, d_in, d_out) is formed
+
+
+@pytest.mark.parametrize("sizes, blocks", [
+    ((3, 3, 4, 8), True), ((3, 3, 8, 8), False),  # squared norms: n p q < n^2 (p + q) or not
+    ((5, 5, 11, 8), True), ((6, 6, 40, 3), True),  # blocks of the wider side, either side
+    ((6, 4, 3, 40), False), ((40, 40, 3, 50), True),  # inner products: (n + n') p q against n n' (p + q)
+])
+def test_outer_inner_products_from_gram_matrices_or_blocks_of_formed_gradients(sizes, blocks):
+    from pergrad.layer_rules.base import _formed_is_cheaper, outer_inner_products
+
+    n, m, p, q = sizes
+    rng = np.random.default_rng(5)
+    a, d = rng.normal(size=(2, n, p)), rng.normal(size=(2, n, q))
+    other_a, other_d = rng.normal(size=(2, m, p)), rng.normal(size=(2, m, q))
+    g = np.einsum("bnp,bnq->bpq", a, d)
+    other = np.einsum("bnp,bnq->bpq", other_a, other_d)
+    tensors = [ops.convert_to_tensor(t.astype("float32")) for t in (a, d, other_a, other_d)]
+    same = n == m
+    if same:
+        assert _formed_is_cheaper(*tensors[:2]) is blocks
+        np.testing.assert_allclose(oracle.to_numpy(outer_inner_products(*tensors[:2])),
+                                   (g * g).sum(axis=(1, 2)), rtol=1e-5)
+    else:
+        assert _formed_is_cheaper(*tensors) is blocks
+    np.testing.assert_allclose(oracle.to_numpy(outer_inner_products(*tensors)),
+                               (g * other).sum(axis=(1, 2)), rtol=1e-4, atol=1e-4)
+
+
 class RegisteredScale(problems.Scale):
     pass
 

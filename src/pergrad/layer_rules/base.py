@@ -367,21 +367,88 @@ def factor_inner_products(first, second):
 
     ``sum_{t,s} (l_t . l'_s)(r_t . r'_s)`` over the positions of both, where an
     id's product with a row is the row's entry at the id (a gather), and two ids'
-    is whether they are equal: ``B n n' (q + p)`` work, never ``B p q``.
+    is whether they are equal: ``B n n' (q + p)`` work, never ``B p q`` at once (two
+    sums of outer products of rows: :func:`outer_inner_products`, whose blocks of the
+    formed gradients are no larger than the ``n x n'`` matrices).
     """
     (left, right), (other_left, other_right) = first, second
-    rights = ops.einsum("btq,bsq->bts", right, other_right)
     ids, other_ids = not is_float(left), not is_float(other_left)
+    if not (ids or other_ids):  # two sums of outer products of rows
+        if first is second:
+            return outer_inner_products(left, right)
+        return outer_inner_products(left, right, other_left, other_right)
+    rights = ops.einsum("btq,bsq->bts", right, other_right)
     if ids and other_ids:
         lefts = ops.cast(ops.equal(left[:, :, None], other_left[:, None, :]), rights.dtype)
-    elif ids or other_ids:
+    else:
         table, index = (other_left, left) if ids else (left, other_left)
         shape = (ops.shape(table)[0], ops.shape(table)[1], ops.shape(index)[1])
         picked = ops.take_along_axis(table, ops.broadcast_to(index[:, None, :], shape), axis=2)
         lefts = ops.transpose(picked, (0, 2, 1)) if ids else picked  # (B, n, n')
-    else:
-        lefts = ops.einsum("btp,bsp->bts", left, other_left)
     return ops.sum(lefts * rights, axis=(1, 2))
+
+
+def gram_memory(positions: int, other_positions: int | None = None) -> int:
+    """Per example, the elements the Gram formula ``sum (A A'ᵀ) ∘ (D D'ᵀ)`` holds at once:
+    the two ``n x n'`` matrices and their product."""
+    return 3 * positions * (positions if other_positions is None else other_positions)
+
+
+def _static(*tensors):
+    """``(n, p)`` of each ``(B, n, p)`` tensor, or ``None`` when one is not static."""
+    sizes = [tuple(t.shape[1:]) for t in tensors]
+    return None if any(len(s) != 2 or None in s for s in sizes) else sizes
+
+
+def _formed_is_cheaper(a, d, other_a=None, other_d=None) -> bool:
+    """Whether ``<A_iᵀ D_i, A'_iᵀ D'_i>`` costs fewer multiply-adds from the formed
+    ``p x q`` gradients, ``(n + n') p q`` (``n p q`` for a squared norm), than from the
+    Gram matrices, ``n n' (p + q)``."""
+    same = other_a is None
+    sizes = _static(a, d) if same else _static(a, d, other_a, other_d)
+    if sizes is None:
+        return False
+    (n, p), (_, q) = sizes[:2]
+    m = n if same else sizes[2][0]
+    return (n if same else n + m) * p * q < n * m * (p + q)
+
+
+def outer_inner_products(a, d, other_a=None, other_d=None):
+    """``(B,)``: ``<A_iᵀ D_i, A'_iᵀ D'_i>`` for ``(B, n, p)`` ``A`` and ``(B, n, q)`` ``D``
+    (``other_a`` ``None``: ``||A_iᵀ D_i||²``).
+
+    From the Gram matrices, ``sum (A A'ᵀ) ∘ (D D'ᵀ)`` (``B n n' (p + q)`` work), or,
+    where that costs more (the positions outnumber ``pq / (p + q)``; Li et al. 2022
+    compare the same two costs), from the per-example gradients formed a block of
+    columns of the larger side at a time (``B (n + n') p q``), each block no larger
+    than the Gram matrices (:func:`gram_memory`): the cheaper arithmetic, never more memory.
+    """
+    same = other_a is None
+    formed = _formed_is_cheaper(a, d, other_a, other_d)
+    other_a, other_d = (a, d) if same else (other_a, other_d)
+    if not formed:
+        aa = ops.einsum("bnp,bmp->bnm", a, other_a)
+        dd = ops.einsum("bnq,bmq->bnm", d, other_d)
+        return ops.sum(aa * dd, axis=(1, 2))
+    (n, p), (_, q), (m, _), _ = _static(a, d, other_a, other_d)
+    # Columns of the larger side per block, so that the blocks held at once (the block,
+    # its square; or two blocks and their product) are no larger than the Gram matrices.
+    block = max(1, gram_memory(n, m) // (min(p, q) * (2 if same else 3)))
+    total = 0.0
+    for start in range(0, max(p, q), block):
+        columns = slice(start, start + block)
+        g = _gradient_block(a, d, columns)
+        other = g if same else _gradient_block(other_a, other_d, columns)
+        total = total + ops.sum(g * other, axis=(1, 2))
+    return total
+
+
+def _gradient_block(a, d, columns):
+    """``(B, smaller side, block)``: the columns ``columns`` of the wider side of every
+    ``A_iᵀ D_i`` (the smaller side first: the faster matmul on torch's CPU)."""
+    if d.shape[-1] >= a.shape[-1]:
+        return ops.einsum("bnp,bnq->bpq", a, d[..., columns])
+    return ops.einsum("bnq,bnp->bqp", d, a[..., columns])
 
 
 def divide_rows(tensor, scales):

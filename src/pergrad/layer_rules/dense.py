@@ -6,7 +6,10 @@ With the input ``A_i`` of example i flattened to ``(n, d_in)`` (``n = 1`` for a
 bias's ``sum_t D_it``. Without forming them (Goodfellow 2015; Li et al. 2022):
 
 - ``||A_i^T D_i||^2 = sum_{t,s} (a_t . a_s)(d_t . d_s)``: ``n^2 (d_in + d_out)``
-  per example instead of ``d_in d_out``, chosen when ``2 n^2 <= d_in d_out``;
+  per example instead of ``d_in d_out``, chosen when the formed gradients would
+  hold more than its ``3 n^2`` (:func:`outer_materializes`); with more positions
+  than ``d_in d_out / (d_in + d_out)`` the gradients formed a block at a time cost
+  less and hold no more;
 - ``<g_i, g_j> = (A A^T)_{ij} (D D^T)_{ij}`` for ``n = 1``;
 - ``sum_i w_i A_i^T D_i = A^T diag(w) D``: one matmul, as in a plain backward pass.
 
@@ -30,7 +33,9 @@ from pergrad.layer_rules.base import (
     LayerRule,
     PreActivationRule,
     context_values,
+    gram_memory,
     joined_slots,
+    outer_inner_products,
     register_rule,
     slot_rows,
 )
@@ -57,8 +62,26 @@ def sequence_positions(inputs) -> int | None:
 
 def outer_materializes(positions: int | None, d_in: int, d_out: int) -> bool:
     """Whether the statistics of a ``(d_in, d_out)`` kernel's ``A_i^T D_i`` over
-    ``positions`` are cheaper from the formed gradients (decided from static shapes)."""
-    return positions is None or (positions > 1 and 2 * positions * positions > d_in * d_out)
+    ``positions`` come from the formed gradients, kept until the weighted sum (decided
+    from static shapes).
+
+    Formed: ``n d_in d_out`` multiply-adds per example (the per-example product; the
+    squares and the weighted sum then cost ``d_in d_out`` each), ``d_in d_out`` held.
+    The ghost formula: ``n^2 (d_in + d_out)`` for its Gram matrices (or ``n d_in d_out``
+    formed a block at a time, :func:`~pergrad.layer_rules.base.outer_inner_products`)
+    plus the weighted sum's ``n d_in d_out`` matmul, ``3 n^2`` held
+    (:func:`~pergrad.layer_rules.base.gram_memory`). Formed when it costs fewer
+    multiply-adds and holds no more than the ghost formula would: a layer as wide as
+    ``d = 4096`` at ``n = 2048`` keeps the ghost formula.
+    """
+    if positions is None:
+        return True
+    if positions <= 1:
+        return False
+    size = d_in * d_out
+    formed = positions * size + 2 * size
+    ghost = min(positions * positions * (d_in + d_out), positions * size) + positions * size
+    return formed <= ghost and size <= gram_memory(positions)
 
 
 def outer_per_example(inputs, delta):
@@ -85,9 +108,7 @@ def outer_squared_norms(inputs, delta):
     a, d = _flat(inputs, delta)
     if a.shape[1] == 1:
         return ops.sum(ops.square(a[:, 0]), axis=1) * ops.sum(ops.square(d[:, 0]), axis=1)
-    aa = ops.einsum("bni,bmi->bnm", a, a)
-    dd = ops.einsum("bno,bmo->bnm", d, d)
-    return ops.sum(aa * dd, axis=(1, 2))
+    return outer_inner_products(a, d)
 
 
 def outer_weighted_sum(inputs, delta, weights):

@@ -1,8 +1,8 @@
 """Embeddings: statistics from the token ids ``I`` and the output gradient ``D``.
 
 Example i's gradient is ``sum_t onehot(I_it) D_it^T`` (rows of the table that its
-tokens select), not formed unless the table is smaller than the formulas' token
-pairs (``rows x d < 2 T^2``, a position table: then one segment sum per batch):
+tokens select), not formed unless the table holds no more than the formulas' token
+pairs (``rows x d <= 3 T^2``, a position table: then one segment sum per batch):
 
 - ``||g_i||^2 = sum_{t,s} [I_it = I_is] (D_it . D_is)``;
 - ``<g_i, g_j> = sum_{t,s} [I_it = I_js] (D_it . D_js)``;
@@ -32,6 +32,7 @@ from pergrad.layer_rules.base import (
     LayerRule,
     OutputRule,
     divide_rows,
+    gram_memory,
     joined_slots,
     register_rule,
     replaced_attribute,
@@ -82,13 +83,13 @@ class EmbeddingRule(OutputRule):
         return layer.input_dim
 
     def materializes(self, layer, inputs, delta) -> bool:
-        # Example i's table (rows x d, one segment sum) when it is smaller than the token
-        # pairs' two T x T matrices, as Dense decides: a position table of T rows.
+        # Example i's table (rows x d, one segment sum) when it holds no more than the token
+        # pairs' T x T matrices (equal ids, D Dᵀ, their product), as Dense decides: a
+        # position table of T rows.
         positions, width = tuple(inputs.shape[1:]), delta.shape[-1]
         if width is None or any(p is None for p in positions):
             return False
-        count = math.prod(positions)
-        return self.rows(layer) * width < 2 * count * count
+        return self.rows(layer) * width <= gram_memory(math.prod(positions))
 
     def per_example(self, layer, values, inputs, delta) -> list:
         ids, d = _flat(inputs, delta)
