@@ -211,6 +211,30 @@ def grad_with_aux(fn, params):
     return grads, _detach(aux)
 
 
+def grad_with_aux_at_outputs(fn, params, with_params):
+    """``fn(params) -> (scalar, aux, outputs)``: ``(gradients with respect to params (with
+    with_params, else None), gradients with respect to the outputs (zeros for one that
+    needs none: nothing trainable before it), aux (detached))``.
+
+    ``outputs`` are tensors ``fn`` computed (``None`` where absent): autograd gives the
+    gradient at an intermediate tensor directly, without adding a zero probe to it.
+    """
+    with torch.enable_grad():
+        params = [p.detach().requires_grad_(True) for p in params]
+        value, aux, outputs = fn(params)
+        wanted = [t for t in outputs if t is not None and t.requires_grad]
+        targets = (params if with_params else []) + wanted
+        found = iter(torch.autograd.grad(value, targets, allow_unused=True) if targets else ())
+    grads = [next(found) for _ in params] if with_params else None
+    if grads is not None:
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+    deltas = []
+    for t in outputs:
+        g = next(found) if t is not None and t.requires_grad else None
+        deltas.append(torch.zeros_like(t) if g is None and t is not None else g)
+    return grads, deltas, _detach(aux)
+
+
 def replicas(model=None):
     """The world size of an initialized ``torch.distributed`` process group, else 1.
 

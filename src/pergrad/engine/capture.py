@@ -43,15 +43,25 @@ def capture(problem, plan, trainable_values, batched, shared, batch_size, loss_s
         shape, dtype = spec
         return ops.zeros((batch_size,) + tuple(shape[1:] if whole_batch else shape), dtype=dtype)
 
-    probes = [[probe_zeros(spec) for spec in call.specs] for call in plan.calls]
+    # torch differentiates with respect to the calls' outputs themselves (the probes'
+    # zeros and additions are full-size ops): where one batched pass runs and every call
+    # has a rule, whose forward returns a tensor of its own computation.
+    marking = (whole_batch and not any(call.fallback for call in plan.calls)
+               and hasattr(adapter(), "grad_with_aux_at_outputs"))
+    probes = [] if marking else [[probe_zeros(spec) for spec in call.specs] for call in plan.calls]
     constants = [ops.stop_gradient(v) for v in trainable_values]
 
-    def intercepted(own_probes, captured):
+    def intercepted(own_probes, captured, marked=None):
         def handler(index, layer, original, args, kwargs):
             position = plan.by_index.get(index)
             if position is None:
                 return original(*args, **kwargs)
-            call, probe = plan.calls[position], own_probes[position]
+            call = plan.calls[position]
+            if marked is not None:  # (no fallback call)
+                captured[position] = call.rule.call_inputs(layer, args, kwargs)
+                return call.rule.forward(layer, original, lambda t: marked.setdefault(position, t),
+                                         args, kwargs)
+            probe = own_probes[position]
             if not call.fallback:
                 captured[position] = call.rule.call_inputs(layer, args, kwargs)
                 return call.rule.forward(layer, original, lambda t: t + probe[0], args, kwargs)
@@ -88,9 +98,9 @@ def capture(problem, plan, trainable_values, batched, shared, batch_size, loss_s
         )
         return weighted_losses(problem, losses, aux, None, batch_size), aux
 
-    def batch_pass(values, probe_values):
+    def batch_pass(values, probe_values, marked=None):
         captured = [None] * len(plan.calls)
-        with intercepted(grouped(probe_values), captured):
+        with intercepted(grouped(probe_values), captured, marked):
             loss, y_pred, masks, _ = problem.batch_loss(
                 values, shared["non_trainable"], batched["x"], batched.get("y"),
                 batched.get("sample_weight"),
@@ -108,6 +118,9 @@ def capture(problem, plan, trainable_values, batched, shared, batch_size, loss_s
         return ops.cast(loss, "float32") * factor, aux
 
     flat_probes = [p for group in probes for p in group]
+    if marking:
+        return _capture_marked(plan, batch_pass, trainable_values, shared, batch_size, loss_scale,
+                               with_variables)
     if with_variables:
         count = len(trainable_values)
 
@@ -123,6 +136,36 @@ def capture(problem, plan, trainable_values, batched, shared, batch_size, loss_s
         return aux.pop("captured"), grouped(deltas), aux, whole_batch
     deltas, aux = grad_with_aux(batch_total if whole_batch else total, flat_probes)
     return aux.pop("captured"), grouped(deltas), aux, whole_batch
+
+
+def _capture_marked(plan, batch_pass, trainable_values, shared, batch_size, loss_scale,
+                    with_variables):
+    """:func:`capture`'s result with every call's ``D`` the gradient with respect to its
+    output (torch's ``grad_with_aux_at_outputs``): the probes' backward pass (a probe adds
+    zeros and passes its output gradient on), and the same values and scales."""
+    factor = ops.cast(batch_size, "float32")
+
+    def total(params):
+        marked = {}
+        loss, aux = batch_pass(params, [], marked)
+        outputs = [marked.get(position) for position in range(len(plan.calls))]
+        if with_variables:  # the batch loss times loss_scale (Keras's own gradient)
+            scaled = loss if loss_scale is None else loss * ops.cast(loss_scale, loss.dtype)
+            return ops.cast(scaled, "float32"), aux, outputs
+        scaled = factor if shared.get("loss_scale") is None else (
+            factor * ops.cast(shared["loss_scale"], "float32"))
+        return ops.cast(loss, "float32") * scaled, aux, outputs
+
+    gradients, deltas, aux = adapter().grad_with_aux_at_outputs(total, list(trainable_values),
+                                                                with_variables)
+    for position, (call, delta) in enumerate(zip(plan.calls, deltas)):
+        if delta is None:  # a planned call that did not run: no gradient reaches it
+            shape, dtype = call.specs[0]
+            deltas[position] = ops.zeros((batch_size,) + tuple(shape[1:]), dtype=dtype)
+    if with_variables:
+        aux["gradients"] = gradients
+        deltas = [d * ops.cast(factor, d.dtype) for d in deltas]
+    return aux.pop("captured"), [[d] for d in deltas], aux, True
 
 
 def has_convolutions(model) -> bool:
