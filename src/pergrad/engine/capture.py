@@ -49,7 +49,8 @@ def capture(problem, plan, trainable_values, batched, shared, batch_size, loss_s
     marking = (whole_batch and not any(call.fallback for call in plan.calls)
                and hasattr(adapter(), "grad_with_aux_at_outputs"))
     probes = [] if marking else [[probe_zeros(spec) for spec in call.specs] for call in plan.calls]
-    constants = [ops.stop_gradient(v) for v in trainable_values]
+    # (the probes' passes: the values as constants, for no gradient of theirs)
+    constants = [] if marking else [ops.stop_gradient(v) for v in trainable_values]
 
     def intercepted(own_probes, captured, marked=None):
         def handler(index, layer, original, args, kwargs):
