@@ -56,6 +56,7 @@ from pergrad.aggregators.statistics import (
     ExampleStatistics,
     overflow_safe,
     row_scales,
+    row_squared_norms,
     scaled_squared_norms_of_rows,
     squared_norms_of_rows,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "overflow_safe",
     "protocol_form",
     "row_scales",
+    "row_squared_norms",
     "scale_examples",
     "scaled_squared_norms_of_rows",
     "serializable",

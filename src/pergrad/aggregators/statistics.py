@@ -136,11 +136,18 @@ def overflow_safe(plain, rescaled):
     return ops.cond(finite, unscaled, rescaled)
 
 
+def row_squared_norms(rows):
+    """``(B,)``: each row's squared norm of a ``(B, n)`` tensor (torch: one pass over it,
+    where ``sum(r * r)`` makes three)."""
+    fast = getattr(adapter(), "row_squared_norms_2d", None)
+    return ops.sum(rows * rows, axis=1) if fast is None else fast(rows)
+
+
 def squared_norms_of_rows(rows: list):
     """``((B, V), (B, V))``: the squared norms of ``(B, n_k)`` gradient rows of ``V`` variables,
     without overflow (:func:`overflow_safe`; scaled by each row's largest entry)."""
     rows = [ops.cast(r, "float32") for r in rows]
-    plain = ops.stack([ops.sum(r * r, axis=1) for r in rows], axis=1)
+    plain = ops.stack([row_squared_norms(r) for r in rows], axis=1)
 
     def rescaled():
         norms, scales = scaled_squared_norms_of_rows(rows)

@@ -254,8 +254,9 @@ def replicas(model=None):
 
 
 def row_squared_norms_2d(delta):
-    """``(B,)``: each row's squared norm."""
-    return torch.sum(delta * delta, dim=1)
+    """``(B,)``: each row's squared norm (one pass: ``sum(delta * delta)`` writes the squares
+    and reads them again, which costs on wide rows)."""
+    return torch.linalg.vector_norm(delta, dim=1).square()
 
 
 def outer_squared_norms_2d(inputs, delta):

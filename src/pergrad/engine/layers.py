@@ -19,6 +19,7 @@ from pergrad.aggregators.base import (
     RowMap,
     overflow_safe,
     row_scales,
+    row_squared_norms,
     scaled_squared_norms_of_rows,
     zero_examples,
 )
@@ -270,7 +271,7 @@ class Layers:
                 (norms,), (scale,) = scaled_squared_norms_of_rows([rows])
                 out[k] = (norms, scale)
             else:
-                out[k] = (ops.sum(ops.square(rows), axis=1), None)
+                out[k] = (row_squared_norms(rows), None)
         for k, parts in pieces.items():
             if k in out:
                 continue
@@ -314,7 +315,7 @@ class Layers:
             def from_rows(rows):
                 if scaled:
                     return scaled_squared_norms_of_rows(rows)
-                return [ops.sum(r * r, axis=1) for r in rows]
+                return [row_squared_norms(r) for r in rows]
 
             def keep(indices, value):
                 found, found_scales = value if scaled else (value, [None] * len(value))
