@@ -49,11 +49,20 @@ def gram_block(rows, split=None):
     return ops.matmul(rows[:split], ops.transpose(rows[split:]))
 
 
+def batch_size_of(tensor):
+    """The leading axis's size: static where known, else the tensor's run-time shape."""
+    size = tensor.shape[0]
+    return ops.shape(tensor)[0] if size is None else size
+
+
 def example_rows(tensor, dtype=None):
-    """``(B, ...) -> (B, size)``: example i's entries as row i (cast to ``dtype`` when given)."""
-    if dtype is not None:
+    """``(B, ...) -> (B, size)``: example i's entries as row i (cast to ``dtype`` when given).
+    No op where the tensor already is (each costs on an eager backend)."""
+    if dtype is not None and dtype_name(tensor.dtype) != dtype_name(dtype):
         tensor = ops.cast(tensor, dtype)
-    return ops.reshape(tensor, (ops.shape(tensor)[0], -1))
+    if len(tensor.shape) == 2:
+        return tensor
+    return ops.reshape(tensor, (batch_size_of(tensor), -1))
 
 
 def row_column(values, like):

@@ -40,7 +40,7 @@ from keras import ops
 from pergrad import compat
 from pergrad.aggregators.base import row_scales
 from pergrad.backend import adapter
-from pergrad.tensors import example_rows, gram_block, is_float, scale_rows
+from pergrad.tensors import batch_size_of, example_rows, gram_block, is_float, scale_rows
 
 _RULES: dict[type, LayerRule] = {}
 # Rules for classes named by their dotted path (a package pergrad does not import,
@@ -339,7 +339,9 @@ def reduce_to(delta, shape):
     axes = list(range(1, 1 + leading))
     axes += [1 + leading + k for k, size in enumerate(shape) if size == 1 and per_example[leading + k] != 1]
     summed = ops.sum(delta, axis=axes) if axes else delta
-    return ops.reshape(summed, (ops.shape(delta)[0],) + tuple(shape))
+    if tuple(summed.shape[1:]) == tuple(shape):  # (no reshape op: each costs on torch)
+        return summed
+    return ops.reshape(summed, (batch_size_of(delta),) + tuple(shape))
 
 
 def slot_rows(tensor, rows, column=None):

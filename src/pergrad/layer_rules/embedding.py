@@ -46,6 +46,7 @@ from pergrad.layer_rules.dense import (
     outer_weighted_sum,
     sequence_positions,
 )
+from pergrad.tensors import batch_size_of, dtype_name
 
 
 def _segment_sum(rows, ids, count):
@@ -64,9 +65,14 @@ def _token_pairs(ids, d, other_ids, other_d):
 
 
 def _flat(inputs, delta):
-    batch = ops.shape(delta)[0]
-    ids = ops.reshape(ops.cast(inputs, "int32"), (batch, -1))
-    return ids, ops.reshape(delta, (batch, -1, ops.shape(delta)[-1]))
+    # (no op where the ids and D already are so: each costs on torch)
+    batch = batch_size_of(delta)
+    ids = inputs if dtype_name(inputs.dtype) == "int32" else ops.cast(inputs, "int32")
+    if len(ids.shape) != 2:
+        ids = ops.reshape(ids, (batch, -1))
+    if len(delta.shape) != 3:
+        delta = ops.reshape(delta, (batch, -1, ops.shape(delta)[-1]))
+    return ids, delta
 
 
 @register_rule(keras.layers.Embedding)
