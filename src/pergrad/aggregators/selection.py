@@ -305,18 +305,25 @@ def _rank_sum(x, lo, hi, strategy):
 def _rank_sum_and_nan(x, lo, hi, strategy):
     """``(sum of the ranks [lo, hi), whether each coordinate has a NaN or None)``: the
     adapter's sort (``"backend"``) tells the NaN coordinates as it sorts, sparing
-    :func:`_with_nan` a pass over ``x``."""
+    :func:`_with_nan` a pass over ``x``, and sums the ranks as it selects them
+    (``rank_sums``) where it can."""
     flat = ops.reshape(x, (x.shape[0], -1))
+    shape = ops.shape(x)[1:]
+    backend = adapter() if strategy == "backend" else None
+    summed = getattr(backend, "rank_sums", None)
+    found = None if summed is None else summed(flat, lo, hi)
+    if found is not None:
+        return ops.reshape(found[0], shape), ops.reshape(found[1], shape)
     has_nan = None
-    ranks = getattr(adapter(), "sorted_ranks", None) if strategy == "backend" else None
+    ranks = getattr(backend, "sorted_ranks", None)
     found = None if ranks is None else ranks(flat, lo, hi, with_nan=True)
     if found is not None:
         rows, has_nan = found
-        has_nan = ops.reshape(has_nan, ops.shape(x)[1:])
+        has_nan = ops.reshape(has_nan, shape)
     else:
         rows = _ROWS[strategy](flat, lo, hi)
     total = rows[0] if hi - lo == 1 else ops.sum(rows, axis=0)
-    return ops.reshape(total, ops.shape(x)[1:]), has_nan
+    return ops.reshape(total, shape), has_nan
 
 
 # --------------------------------------------------------------------------------------

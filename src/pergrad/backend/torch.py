@@ -385,3 +385,46 @@ def noise_words(key, step, count, chunk=1 << 16):
     for start in range(0, count, chunk):
         size = min(chunk, count - start)
         yield generator.random_raw(2 * size).view(np.int32).reshape(size, 4).T.copy()
+
+
+# --- wt24b: the coordinate rules' ranks, summed as they are selected ---------------------
+
+
+def rank_sums(x, lo, hi, block_bytes=1 << 20):
+    """``((N,) sum of the ranks [lo, hi) over axis 0, (N,) whether the column holds a
+    NaN)`` of a ``(B, N)`` CPU tensor, or ``None`` where :func:`sorted_ranks` does not
+    apply. The same selection (NumPy's sort of each column as a contiguous row, NaN
+    last), without its copies: each block of about ``block_bytes`` is copied once into a
+    reused ``(columns, B)`` buffer (a plain copy where the batch axis of ``x`` is the
+    contiguous one), sorted in place, and its ranks summed in the buffer (float16 in
+    float32, as torch's sum) instead of written out as ``hi - lo`` rows for a sum over
+    axis 0. ``x`` may be any strided view (``x.numpy()`` keeps its strides).
+    """
+    if x.device.type != "cpu" or x.dtype not in _NUMPY_SORTED or x.requires_grad or x.dim() != 2:
+        return None
+    values = x.numpy()
+    batch, count = values.shape
+    step = max(1, min(count, block_bytes // max(1, batch * values.itemsize)))
+    total = np.empty((count,), values.dtype)
+    nan = np.empty((count,), bool)
+    buffer = np.empty((step, batch), values.dtype)
+    accumulate = np.float32 if values.dtype == np.float16 else values.dtype
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, float16 overflow: as torch
+        _rank_sum_blocks(values, lo, hi, step, buffer, total, nan, accumulate)
+    return torch.from_numpy(total), torch.from_numpy(nan)
+
+
+def _rank_sum_blocks(values, lo, hi, step, buffer, total, nan, accumulate):
+    count = values.shape[1]
+    for start in range(0, count, step):
+        end = min(start + step, count)
+        rows = buffer[: end - start]
+        np.copyto(rows, values[:, start:end].T)
+        rows.sort(axis=1)
+        if hi - lo == 1:
+            total[start:end] = rows[:, lo]
+        elif hi - lo == 2:
+            np.add(rows[:, lo], rows[:, lo + 1], out=total[start:end])
+        else:
+            total[start:end] = np.sum(rows[:, lo:hi], axis=1, dtype=accumulate)
+        np.isnan(rows[:, -1], out=nan[start:end])
