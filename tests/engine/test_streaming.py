@@ -225,13 +225,14 @@ def test_microbatches_bound_the_blocks_a_dense_kernel_is_aggregated_in(rule, mon
     assert split == (rule == "median"), widths
 
 
-@pytest.mark.parametrize("rule", ["median", "per_variable"])
+@pytest.mark.parametrize("rule", ["median", "bucketmedian", "per_variable"])
 def test_eager_backends_form_large_kernels_in_parts_without_microbatches(rule, monkeypatch):
     """Without ``microbatch_size``, an eager backend (torch) forms a coordinate-wise rule's
     Dense kernels in parts of at most ``EAGER_PIECE_BYTES`` (here forced small); compiled
     backends, and a function that may mix coordinates, get them whole. The result is the
     materialized path's."""
-    make = {"median": median, "per_variable": lambda: per_variable(_normalized_first)}[rule]
+    make = {"median": median, "bucketmedian": lambda: bucketing(2, median(), seed=3),
+            "per_variable": lambda: per_variable(_normalized_first)}[rule]
     widths, recording = _recording_widths()
     results = []
     for path in ("materialized", "auto"):
@@ -248,7 +249,7 @@ def test_eager_backends_form_large_kernels_in_parts_without_microbatches(rule, m
         results.append(wrapper.model)
     oracle.assert_weights_close(results[1], results[0], atol=1e-5, rtol=1e-5)
     split = any(width < full for width, full in widths)
-    assert split == (rule == "median" and keras.backend.backend() == "torch"), widths
+    assert split == (rule != "per_variable" and keras.backend.backend() == "torch"), widths
 
 
 def test_the_dense_rule_finds_non_finite_per_example_gradients_from_a_and_d():

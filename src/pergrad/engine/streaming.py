@@ -67,14 +67,14 @@ def plan(aggregator):
 EAGER_PIECE_BYTES = 8 << 20
 
 
-def _eager_pieces(variables, batch_size) -> int:
+def _eager_pieces(variables, rows) -> int:
     """How many parts a ``Dense`` kernel is formed in on an eager backend (1 elsewhere):
-    enough that the largest variable's ``B`` gradients stay under ``EAGER_PIECE_BYTES``
-    (its coordinates' results do not depend on it)."""
-    if not getattr(adapter(), "EAGER_LOOPS", False) or not isinstance(batch_size, int):
+    enough that the largest variable's ``rows`` gradients (the batch's, or its buckets')
+    stay under ``EAGER_PIECE_BYTES`` (its coordinates' results do not depend on it)."""
+    if not getattr(adapter(), "EAGER_LOOPS", False) or not isinstance(rows, int):
         return 1
     largest = max((math.prod(v.shape) for v in variables), default=0)
-    return max(1, -(-batch_size * largest * 4 // EAGER_PIECE_BYTES))
+    return max(1, -(-rows * largest * 4 // EAGER_PIECE_BYTES))
 
 
 def supports(aggregator) -> bool:
@@ -110,8 +110,8 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     pieces = 1
     if microbatch_size is not None and final.coordinatewise and isinstance(batch_size, int):
         pieces = -(-batch_size // microbatch_size)
-    elif final.coordinatewise and not gathered and replicas.data_parallel() is None:
-        pieces = _eager_pieces(variables, batch_size)
+    eager = microbatch_size is None and final.coordinatewise
+    eager = eager and not gathered and replicas.data_parallel() is None
     if replicas.data_parallel() is not None:
         # Each example's A and D rows stay where the model's own pass left them, so that
         # the coordinate layout below does not propagate into the model's pass (which
@@ -135,6 +135,8 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         rows = mapping if rows is None else rows.then(mapping)
         if mapping.order is not None:
             size = mapping.order.shape[0] or ops.shape(mapping.order)[0]
+    if eager:  # the rows the rule gets: J buckets, or the B examples
+        pieces = _eager_pieces(variables, size)
     flags, covered = layers.finite_from_layers()
     finite.extend(flags)
     parts = [[] for _ in variables]
