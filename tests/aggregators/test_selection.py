@@ -185,3 +185,22 @@ def test_torch_rank_sums_match_numpy_in_every_block_and_layout(batch):
                     np.testing.assert_allclose(total.numpy(), expected, rtol=tolerance, atol=tolerance)
     assert adapter.rank_sums(torch.zeros(3, 2, requires_grad=True), 0, 1) is None
     assert adapter.rank_sums(torch.zeros(3, 2, dtype=torch.int32), 0, 1) is None
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's adapter")
+@pytest.mark.parametrize("batch", (1, 2, 5, 8, 13, 64))
+def test_torch_meamed_columns_match_the_definition_in_every_block_and_layout(batch):
+    """``meamed_columns`` (the torch adapter's MeaMed in blocks) against the stable-argsort
+    definition: blocks of 1 column to all of them, the batch axis strided or contiguous."""
+    import torch
+
+    from pergrad.backend import torch as adapter
+
+    x = cases(batch, seed=1).reshape(batch, -1)
+    columns = x.shape[1]
+    for tensor in (torch.from_numpy(x), torch.from_numpy(x.T.copy()).T):
+        for block in (1, 7, columns):
+            for kept in sorted({1, 2, batch // 2, batch - 1, batch} & set(range(1, batch + 1))):
+                actual = adapter.meamed_columns(tensor, kept, block_bytes=block * batch * 4)
+                assert_matches(actual, ref_meamed(x, kept))
+    assert adapter.meamed_columns(torch.zeros(3, 2), 4) is None

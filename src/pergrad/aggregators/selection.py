@@ -17,8 +17,9 @@ the measurements behind ``_STRATEGY``):
   that each block stays in cache.
 - ``"top_k"``: ``ops.top_k`` over the transposed ``(N, B)`` block (a partial
   selection on the last axis).
-- ``"backend"`` (torch): the adapter's ``sorted_ranks`` (NumPy's sort over axis 0 of
-  a CPU tensor, about 5x faster than ``torch.topk``), else ``"top_k"``.
+- ``"backend"`` (torch): the adapter's ``rank_sums`` / ``sorted_ranks`` (NumPy's sort
+  over axis 0 of a CPU tensor, about 5x faster than ``torch.topk``; ``rank_sums`` sums
+  the ranks in its blocks) and ``meamed_columns`` (MeaMed in those blocks), else ``"top_k"``.
 - ``"sort"``: ``ops.sort`` over axis 0; also the path when ``B`` is unknown
   while tracing (TensorFlow retraces a partial last batch with a ``None``
   batch size).
@@ -379,6 +380,11 @@ def _running_count(mask):
 
 def _meamed(x, kept, strategy):
     b = _static_batch(x)
+    columns = getattr(adapter(), "meamed_columns", None) if strategy == "backend" else None
+    if columns is not None and b is not None and isinstance(kept, int) and 0 < kept <= b:
+        found = columns(ops.reshape(x, (b, -1)), kept)  # torch: all of it in one pass of blocks
+        if found is not None:
+            return ops.reshape(found, ops.shape(x)[1:])
     if strategy == "unrolled" and b is not None and isinstance(kept, int):
         if not 0 < kept <= b:
             raise ValueError(f"meamed: cannot keep {kept} of {b} values.")
