@@ -479,14 +479,20 @@ def _meamed_block(rows, ordered, distances, kept):
     middle[np.isnan(ordered[:, -1])] = np.nan
     np.subtract(rows, middle[:, None], out=distances)
     np.abs(distances, out=distances)
-    distances[rows == middle[:, None]] = 0  # also an infinite value equal to the median
+    np.copyto(distances, 0, where=rows == middle[:, None])  # also an infinite one
     np.copyto(ordered, distances)
     ordered.sort(axis=1)
     threshold = ordered[:, kept - 1:kept]
     nearer = distances < threshold
     tied = distances == threshold
     missing = kept - np.count_nonzero(nearer, axis=1)
-    taken = nearer | (tied & (np.cumsum(tied, axis=1) <= missing[:, None]))
+    # Every tied value is taken where there are no more of them than missing (the common
+    # case); elsewhere the first ``missing`` in batch order (a running count on those rows).
+    taken = nearer | tied
+    over = np.flatnonzero(np.count_nonzero(tied, axis=1) > missing)
+    if over.size:
+        first = tied[over] & (np.cumsum(tied[over], axis=1) <= missing[over, None])
+        taken[over] = nearer[over] | first
     total = np.sum(np.where(taken, rows, 0), axis=1, dtype=accumulate).astype(rows.dtype)
     total /= rows.dtype.type(kept)
     return np.where(np.isnan(middle), middle, total)
