@@ -154,3 +154,53 @@ def test_unknown_batch_size_under_tf_function():
         assert_matches(median, ref_median(x))
         assert_matches(trimmed, ref_trimmed_mean(x, batch // 4))
         assert_matches(meamed, ref_meamed(x, batch - 1))
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's adapter")
+@pytest.mark.parametrize("batch", (1, 2, 3, 4, 5, 8, 13, 20, 64))
+def test_torch_rank_sums_match_numpy_in_every_block_and_layout(batch):
+    """``rank_sums`` (the torch adapter's summed selection) against NumPy's sort: every
+    rank range, blocks of 1 column to all of them (a last block shorter than the
+    others), the batch axis strided or contiguous, float16/32/64, NaN columns flagged."""
+    import torch
+
+    from pergrad.backend import torch as adapter
+
+    x = cases(batch).reshape(batch, -1)
+    columns = x.shape[1]
+    ranges = {(0, batch), (0, 1), (batch - 1, batch), ((batch - 1) // 2, batch // 2 + 1),
+              (batch // 4, batch - batch // 4)}
+    for dtype in (np.float32, np.float64, np.float16):
+        values = x.astype(dtype)
+        ordered = np.sort(values.astype(np.float64), axis=0)
+        for tensor in (torch.from_numpy(values), torch.from_numpy(values.T.copy()).T):
+            for block in (1, 7, columns, columns + 5):
+                for lo, hi in ranges:
+                    total, nan = adapter.rank_sums(tensor, lo, hi, block_bytes=block * batch * values.itemsize)
+                    assert total.dtype == tensor.dtype and total.shape == (columns,)
+                    np.testing.assert_array_equal(nan.numpy(), np.isnan(values).any(axis=0))
+                    with np.errstate(invalid="ignore"):
+                        expected = ordered[lo:hi].sum(axis=0).astype(dtype)
+                    tolerance = 2e-3 if dtype == np.float16 else 2e-6
+                    np.testing.assert_allclose(total.numpy(), expected, rtol=tolerance, atol=tolerance)
+    assert adapter.rank_sums(torch.zeros(3, 2, requires_grad=True), 0, 1) is None
+    assert adapter.rank_sums(torch.zeros(3, 2, dtype=torch.int32), 0, 1) is None
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's adapter")
+@pytest.mark.parametrize("batch", (1, 2, 5, 8, 13, 64))
+def test_torch_meamed_columns_match_the_definition_in_every_block_and_layout(batch):
+    """``meamed_columns`` (the torch adapter's MeaMed in blocks) against the stable-argsort
+    definition: blocks of 1 column to all of them, the batch axis strided or contiguous."""
+    import torch
+
+    from pergrad.backend import torch as adapter
+
+    x = cases(batch, seed=1).reshape(batch, -1)
+    columns = x.shape[1]
+    for tensor in (torch.from_numpy(x), torch.from_numpy(x.T.copy()).T):
+        for block in (1, 7, columns):
+            for kept in sorted({1, 2, batch // 2, batch - 1, batch} & set(range(1, batch + 1))):
+                actual = adapter.meamed_columns(tensor, kept, block_bytes=block * batch * 4)
+                assert_matches(actual, ref_meamed(x, kept))
+    assert adapter.meamed_columns(torch.zeros(3, 2), 4) is None

@@ -188,12 +188,9 @@ def _normalized_first(gradient):
     return gradient[0] / (ops.sum(ops.abs(gradient)) + 1.0)
 
 
-@pytest.mark.parametrize("rule", ["median", "per_variable"])
-def test_microbatches_bound_the_blocks_a_dense_kernel_is_aggregated_in(rule, monkeypatch):
-    """With ``microbatch_size`` a coordinate-wise rule gets each Dense kernel in blocks of
-    input features (never a function that may mix coordinates); the result is unchanged."""
-    make = {"median": lambda: chain(clip(0.05), median()),
-            "per_variable": lambda: per_variable(_normalized_first)}[rule]
+def _recording_widths():
+    """``(widths, mapped)``: ``DenseRule.mapped`` that appends ``(input features given,
+    kernel rows)`` of each call to ``widths``."""
     widths = []
     original = DenseRule.mapped
 
@@ -201,6 +198,16 @@ def test_microbatches_bound_the_blocks_a_dense_kernel_is_aggregated_in(rule, mon
         widths.append((inputs.shape[-1], layer.kernel.shape[0]))
         return original(self, layer, values, inputs, *args)
 
+    return widths, recording
+
+
+@pytest.mark.parametrize("rule", ["median", "per_variable"])
+def test_microbatches_bound_the_blocks_a_dense_kernel_is_aggregated_in(rule, monkeypatch):
+    """With ``microbatch_size`` a coordinate-wise rule gets each Dense kernel in blocks of
+    input features (never a function that may mix coordinates); the result is unchanged."""
+    make = {"median": lambda: chain(clip(0.05), median()),
+            "per_variable": lambda: per_variable(_normalized_first)}[rule]
+    widths, recording = _recording_widths()
     results = []
     for path, microbatch in (("materialized", None), ("auto", 2)):
         problem = problems.make("dense_mlp")
@@ -216,6 +223,33 @@ def test_microbatches_bound_the_blocks_a_dense_kernel_is_aggregated_in(rule, mon
     oracle.assert_weights_close(results[1], results[0], atol=1e-5, rtol=1e-5)
     split = any(width < full for width, full in widths)
     assert split == (rule == "median"), widths
+
+
+@pytest.mark.parametrize("rule", ["median", "bucketmedian", "per_variable"])
+def test_eager_backends_form_large_kernels_in_parts_without_microbatches(rule, monkeypatch):
+    """Without ``microbatch_size``, an eager backend (torch) forms a coordinate-wise rule's
+    Dense kernels in parts of at most ``EAGER_PIECE_BYTES`` (here forced small); compiled
+    backends, and a function that may mix coordinates, get them whole. The result is the
+    materialized path's."""
+    make = {"median": median, "bucketmedian": lambda: bucketing(2, median(), seed=3),
+            "per_variable": lambda: per_variable(_normalized_first)}[rule]
+    widths, recording = _recording_widths()
+    results = []
+    for path in ("materialized", "auto"):
+        problem = problems.make("dense_mlp")
+        wrapper = pergrad.PerExampleModel(problem.model, make(), path=path)
+        problem.compile(wrapper, optimizer=keras.optimizers.SGD(0.3))
+        with monkeypatch.context() as patch:
+            if path == "auto":
+                patch.setattr(PerExampleProblem, "compute", _refuse)
+                patch.setattr(DenseRule, "mapped", recording)
+                patch.setattr(streaming, "EAGER_PIECE_BYTES", 64)
+            wrapper.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=B,
+                        epochs=2, shuffle=False, verbose=0)
+        results.append(wrapper.model)
+    oracle.assert_weights_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+    split = any(width < full for width, full in widths)
+    assert split == (rule != "per_variable" and keras.backend.backend() == "torch"), widths
 
 
 def test_the_dense_rule_finds_non_finite_per_example_gradients_from_a_and_d():

@@ -17,8 +17,9 @@ the measurements behind ``_STRATEGY``):
   that each block stays in cache.
 - ``"top_k"``: ``ops.top_k`` over the transposed ``(N, B)`` block (a partial
   selection on the last axis).
-- ``"backend"`` (torch): the adapter's ``sorted_ranks`` (NumPy's sort over axis 0 of
-  a CPU tensor, about 5x faster than ``torch.topk``), else ``"top_k"``.
+- ``"backend"`` (torch): the adapter's ``rank_sums`` / ``sorted_ranks`` (NumPy's sort
+  over axis 0 of a CPU tensor, about 5x faster than ``torch.topk``; ``rank_sums`` sums
+  the ranks in its blocks) and ``meamed_columns`` (MeaMed in those blocks), else ``"top_k"``.
 - ``"sort"``: ``ops.sort`` over axis 0; also the path when ``B`` is unknown
   while tracing (TensorFlow retraces a partial last batch with a ``None``
   batch size).
@@ -305,18 +306,25 @@ def _rank_sum(x, lo, hi, strategy):
 def _rank_sum_and_nan(x, lo, hi, strategy):
     """``(sum of the ranks [lo, hi), whether each coordinate has a NaN or None)``: the
     adapter's sort (``"backend"``) tells the NaN coordinates as it sorts, sparing
-    :func:`_with_nan` a pass over ``x``."""
+    :func:`_with_nan` a pass over ``x``, and sums the ranks as it selects them
+    (``rank_sums``) where it can."""
     flat = ops.reshape(x, (x.shape[0], -1))
+    shape = ops.shape(x)[1:]
+    backend = adapter() if strategy == "backend" else None
+    summed = getattr(backend, "rank_sums", None)
+    found = None if summed is None else summed(flat, lo, hi)
+    if found is not None:
+        return ops.reshape(found[0], shape), ops.reshape(found[1], shape)
     has_nan = None
-    ranks = getattr(adapter(), "sorted_ranks", None) if strategy == "backend" else None
+    ranks = getattr(backend, "sorted_ranks", None)
     found = None if ranks is None else ranks(flat, lo, hi, with_nan=True)
     if found is not None:
         rows, has_nan = found
-        has_nan = ops.reshape(has_nan, ops.shape(x)[1:])
+        has_nan = ops.reshape(has_nan, shape)
     else:
         rows = _ROWS[strategy](flat, lo, hi)
     total = rows[0] if hi - lo == 1 else ops.sum(rows, axis=0)
-    return ops.reshape(total, ops.shape(x)[1:]), has_nan
+    return ops.reshape(total, shape), has_nan
 
 
 # --------------------------------------------------------------------------------------
@@ -372,6 +380,11 @@ def _running_count(mask):
 
 def _meamed(x, kept, strategy):
     b = _static_batch(x)
+    columns = getattr(adapter(), "meamed_columns", None) if strategy == "backend" else None
+    if columns is not None and b is not None and isinstance(kept, int) and 0 < kept <= b:
+        found = columns(ops.reshape(x, (b, -1)), kept)  # torch: all of it in one pass of blocks
+        if found is not None:
+            return ops.reshape(found, ops.shape(x)[1:])
     if strategy == "unrolled" and b is not None and isinstance(kept, int):
         if not 0 < kept <= b:
             raise ValueError(f"meamed: cannot keep {kept} of {b} values.")

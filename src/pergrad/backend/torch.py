@@ -410,3 +410,114 @@ def noise_words(key, step, count, chunk=1 << 16):
     for start in range(0, count, chunk):
         size = min(chunk, count - start)
         yield generator.random_raw(2 * size).view(np.int32).reshape(size, 4).T.copy()
+
+
+# --- wt24b: the coordinate rules' ranks, summed as they are selected ---------------------
+
+
+def _sortable(x):
+    """``x`` as a NumPy view where :func:`sorted_ranks` applies to it, else ``None``."""
+    if x.device.type != "cpu" or x.dtype not in _NUMPY_SORTED or x.requires_grad or x.dim() != 2:
+        return None
+    return x.numpy()
+
+
+def rank_sums(x, lo, hi, block_bytes=1 << 20):
+    """``((N,) sum of the ranks [lo, hi) over axis 0, (N,) whether the column holds a
+    NaN)`` of a ``(B, N)`` CPU tensor, or ``None`` where :func:`sorted_ranks` does not
+    apply. The same selection (NumPy's sort of each column as a contiguous row, NaN
+    last), without its copies: each block of about ``block_bytes`` is copied once into a
+    reused ``(columns, B)`` buffer (a plain copy where the batch axis of ``x`` is the
+    contiguous one), sorted in place, and its ranks summed in the buffer (float16 in
+    float32, as torch's sum) instead of written out as ``hi - lo`` rows for a sum over
+    axis 0. ``x`` may be any strided view (``x.numpy()`` keeps its strides).
+    """
+    values = _sortable(x)
+    if values is None:
+        return None
+    batch, count = values.shape
+    step = max(1, min(count, block_bytes // max(1, batch * values.itemsize)))
+    total = np.empty((count,), values.dtype)
+    nan = np.empty((count,), bool)
+    buffer = np.empty((step, batch), values.dtype)
+    accumulate = np.float32 if values.dtype == np.float16 else values.dtype
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, float16 overflow: as torch
+        _rank_sum_blocks(values, lo, hi, step, buffer, total, nan, accumulate)
+    return torch.from_numpy(total), torch.from_numpy(nan)
+
+
+def _rank_sum_blocks(values, lo, hi, step, buffer, total, nan, accumulate):
+    count = values.shape[1]
+    for start in range(0, count, step):
+        end = min(start + step, count)
+        rows = buffer[: end - start]
+        np.copyto(rows, values[:, start:end].T)
+        rows.sort(axis=1)
+        if hi - lo == 1:
+            total[start:end] = rows[:, lo]
+        elif hi - lo == 2:
+            np.add(rows[:, lo], rows[:, lo + 1], out=total[start:end])
+        else:
+            total[start:end] = np.sum(rows[:, lo:hi], axis=1, dtype=accumulate)
+        np.isnan(rows[:, -1], out=nan[start:end])
+
+
+def meamed_columns(x, kept, block_bytes=1 << 19):
+    """``(N,)``: per column of a ``(B, N)`` CPU tensor, the mean of the ``kept`` values
+    nearest to its median (``pergrad.aggregators.selection``'s MeaMed: distance 0 for a
+    value equal to the median, ties at the kept-th distance taken in batch order, NaN
+    where the median is), or ``None`` where :func:`sorted_ranks` does not apply.
+
+    The same formulas as the backend-neutral version, on blocks of about ``block_bytes``
+    copied once as ``(columns, B)`` rows: the two selections (median, kept-th distance)
+    by NumPy's in-place sort, the comparisons, running count and sum along the
+    contiguous rows, all in reused buffers (the Keras ops version makes ~15 passes over
+    the whole ``(B, N)`` tensor, each a fresh tensor).
+    """
+    values = _sortable(x)
+    if values is None:
+        return None
+    batch, count = values.shape
+    if not 0 < kept <= batch:
+        return None
+    step = max(1, min(count, block_bytes // max(1, batch * values.itemsize)))
+    out = np.empty((count,), values.dtype)
+    buffers = [np.empty((step, batch), values.dtype) for _ in range(3)]
+    with np.errstate(invalid="ignore", over="ignore"):
+        for start in range(0, count, step):
+            end = min(start + step, count)
+            rows, ordered, distances = (b[: end - start] for b in buffers)
+            np.copyto(rows, values[:, start:end].T)
+            out[start:end] = _meamed_block(rows, ordered, distances, kept)
+    return torch.from_numpy(out)
+
+
+def _meamed_block(rows, ordered, distances, kept):
+    batch = rows.shape[1]
+    accumulate = np.float32 if rows.dtype == np.float16 else rows.dtype
+    np.copyto(ordered, rows)
+    ordered.sort(axis=1)  # NaN last
+    middle = ordered[:, batch // 2].copy()
+    if batch % 2 == 0:
+        middle += ordered[:, batch // 2 - 1]
+        middle /= 2
+    middle[np.isnan(ordered[:, -1])] = np.nan
+    np.subtract(rows, middle[:, None], out=distances)
+    np.abs(distances, out=distances)
+    np.copyto(distances, 0, where=rows == middle[:, None])  # also an infinite one
+    np.copyto(ordered, distances)
+    ordered.sort(axis=1)
+    threshold = ordered[:, kept - 1:kept]
+    nearer = distances < threshold
+    tied = distances == threshold
+    missing = kept - np.count_nonzero(nearer, axis=1)
+    # Every tied value is taken where there are no more of them than missing (the common
+    # case); elsewhere the first ``missing`` in batch order (a running count on those rows).
+    taken = nearer | tied
+    over = np.flatnonzero(np.count_nonzero(tied, axis=1) > missing)
+    if over.size:
+        first = tied[over] & (np.cumsum(tied[over], axis=1) <= missing[over, None])
+        taken[over] = nearer[over] | first
+    total = np.sum(np.where(taken, rows, 0), axis=1, dtype=accumulate).astype(rows.dtype)
+    total /= rows.dtype.type(kept)
+    return np.where(np.isnan(middle), middle, total)
