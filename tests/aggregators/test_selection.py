@@ -176,7 +176,8 @@ def test_torch_rank_sums_match_numpy_in_every_block_and_layout(batch):
         for tensor in (torch.from_numpy(values), torch.from_numpy(values.T.copy()).T):
             for block in (1, 7, columns, columns + 5):
                 for lo, hi in ranges:
-                    total, nan = adapter.rank_sums(tensor, lo, hi, block_bytes=block * batch * values.itemsize)
+                    size = block * batch * values.itemsize
+                    total, nan = adapter.rank_sums(tensor, lo, hi, block_bytes=size)
                     assert total.dtype == tensor.dtype and total.shape == (columns,)
                     np.testing.assert_array_equal(nan.numpy(), np.isnan(values).any(axis=0))
                     with np.errstate(invalid="ignore"):

@@ -119,9 +119,10 @@ def row_scales(tensor):
 
 def overflow_safe(plain, rescaled):
     """``(squared norms, scale)``: ``(plain, ones)`` (on torch ``(plain, None)``) when every
-    entry of ``plain`` (``(B, V)`` squared norms) is finite, else ``rescaled()``, which computes them divided by the
-    square of a ``(B, V)`` scale. One branch runs (``keras.ops.cond``): the rescaling costs
-    nothing unless a squared norm overflowed (or a gradient is not finite)."""
+    entry of ``plain`` (``(B, V)`` squared norms) is finite, else ``rescaled()``, which
+    computes them divided by the square of a ``(B, V)`` scale. One branch runs
+    (``keras.ops.cond``): the rescaling costs nothing unless a squared norm overflowed (or a
+    gradient is not finite)."""
     plain = as_float32(plain)
     finite = ops.all(ops.isfinite(plain))
     if getattr(adapter(), "EAGER_LOOPS", False):
