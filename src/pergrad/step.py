@@ -276,7 +276,6 @@ def post_process(wrapper, problem, plan: ReplicaPlan, result, per_example, aux, 
         # Batch-level: once in the replicas' sum.
         regularization = [replicas.first_replica(r) for r in regularization]
         result = [g + ops.cast(r, g.dtype) for g, r in zip(result, regularization)]
-    nan = ops.convert_to_tensor(float("nan"))
     # A weighted sum of per-example gradients is already non-finite when one
     # of them is (0 * inf is NaN), so only other kinds need the check, which
     # reads every per-example gradient. For a DP rule the non-finite examples
@@ -284,6 +283,7 @@ def post_process(wrapper, problem, plan: ReplicaPlan, result, per_example, aux, 
     # the batch.
     if aggregator.kind != STATISTICS and not aggregator.differentially_private:
         finite = all_finite(per_example) if per_example is not None else aux["finite"]
+        nan = ops.convert_to_tensor(float("nan"))
         result = [ops.where(finite, g, ops.cast(nan, g.dtype)) for g in result]
     if scale is not None:  # LossScaleOptimizer expects scaled gradients
         result = [g * ops.cast(scale, g.dtype) for g in result]

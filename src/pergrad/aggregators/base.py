@@ -54,11 +54,14 @@ from pergrad.aggregators.batch import (
 from pergrad.aggregators.row_map import RowMap
 from pergrad.aggregators.statistics import (
     ExampleStatistics,
+    example_squared_norms,
+    example_weighted_sum,
     overflow_safe,
     row_scales,
     row_squared_norms,
     scaled_squared_norms_of_rows,
     squared_norms_of_rows,
+    stack_columns,
 )
 from pergrad.tensors import is_float
 
@@ -82,6 +85,8 @@ __all__ = [
     "WeightedAggregator",
     "batch_size_of",
     "batch_sum",
+    "example_squared_norms",
+    "example_weighted_sum",
     "check_result",
     "check_structure",
     "finite_examples",
@@ -94,6 +99,7 @@ __all__ = [
     "serializable",
     "split_units",
     "squared_norms_of_rows",
+    "stack_columns",
     "static_batch_size",
     "weighted_sum",
     "zero_examples",
@@ -307,10 +313,13 @@ class Aggregator(keras.layers.Layer):
         if counted and total is not None:
             sums = total(ops.stack([ops.cast(x, "float32") for name in counted for x in reports[name]]))
             reports.update({name: (sums[2 * k], sums[2 * k + 1]) for k, name in enumerate(counted)})
-        return {
-            name: value if count is None else value / ops.maximum(ops.cast(count, "float32"), 1.0)
-            for name, (value, count) in reports.items()
-        }
+        def mean(value, count):
+            if isinstance(count, int):  # (static: no maximum op)
+                return ops.cast(value, "float32") / float(max(count, 1))
+            return value / ops.maximum(ops.cast(count, "float32"), 1.0)
+
+        return {name: value if count is None else mean(value, count)
+                for name, (value, count) in reports.items()}
 
     def set_batch_term(self, term: list) -> None:
         """Sets aside ``term`` (aligned with the result) as part of the current call's result

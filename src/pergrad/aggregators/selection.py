@@ -42,7 +42,7 @@ import functools
 import keras
 from keras import ops
 
-from pergrad.backend import adapter
+from pergrad.backend import adapter, eager
 
 # The fastest strategy per backend, from benchmarks/selection.py.
 _STRATEGY = {"tensorflow": "network", "jax": "network", "torch": "backend"}
@@ -180,7 +180,7 @@ def _network_blocks(x, lo, hi, columns):
     if size <= columns:
         return _network_block(x, lo, hi)
     backend = adapter()
-    if getattr(backend, "EAGER_LOOPS", False):  # torch: a Python loop over column blocks
+    if eager():  # torch: a Python loop over column blocks
         parts = [_network_block(x[:, s : s + columns], lo, hi) for s in range(0, size, columns)]
         return ops.concatenate(parts, axis=1)
     # In a graph: one loop over the column blocks (a block's intermediates stay in cache).

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from keras import ops
 
-from pergrad.backend import adapter
+from pergrad.backend import adapter, eager
 from pergrad.tensors import as_float32, example_rows
 
 
@@ -66,6 +66,9 @@ class ExampleStatistics:
     def flat_norms(self):
         """``(B,)`` L2 norms of the flat gradients, without overflow."""
         if self.scale is None:
+            fast = getattr(adapter(), "flat_norms_2d", None)
+            if fast is not None:
+                return fast(self.scaled_squared_norms)
             return ops.sqrt(ops.sum(self.scaled_squared_norms, axis=1))
         largest = ops.max(self.scale, axis=1)
         relative = ops.square(self.scale / largest[:, None])
@@ -124,17 +127,24 @@ def overflow_safe(plain, rescaled):
     (``keras.ops.cond``): the rescaling costs nothing unless a squared norm overflowed (or a
     gradient is not finite)."""
     plain = as_float32(plain)
-    finite = ops.all(ops.isfinite(plain))
-    if getattr(adapter(), "EAGER_LOOPS", False):
+    if eager():
         # torch: the branch is chosen in Python anyway; the plain values' scale is None
         # (all one: ExampleStatistics then skips the scale's arithmetic, a few ops
         # whose dispatch costs more than their work).
-        return (plain, None) if bool(finite) else rescaled()
+        return (plain, None) if adapter().all_finite(plain) else rescaled()
+    finite = ops.all(ops.isfinite(plain))
 
     def unscaled():
         return plain, ops.ones_like(plain)
 
     return ops.cond(finite, unscaled, rescaled)
+
+
+def stack_columns(columns):
+    """``(B, V)``: ``V`` tensors of shape ``(B,)`` as columns (``ops.stack(columns, axis=1)``,
+    by the adapter's own where it has one: torch)."""
+    fast = getattr(adapter(), "stack_columns", None)
+    return ops.stack(columns, axis=1) if fast is None else fast(columns)
 
 
 def row_squared_norms(rows):
@@ -144,15 +154,31 @@ def row_squared_norms(rows):
     return ops.sum(rows * rows, axis=1) if fast is None else fast(rows)
 
 
+def example_squared_norms(gradients):
+    """``(B,)``: each example's squared norm of a ``(B, ...)`` tensor (torch: one pass, no
+    reshape op)."""
+    fast = getattr(adapter(), "example_squared_norms", None)
+    return row_squared_norms(example_rows(gradients)) if fast is None else fast(gradients)
+
+
+def example_weighted_sum(gradients, weights):
+    """``sum_i w_i g_i`` of ``(B, ...)`` gradients and ``(B,)`` weights, in the shape of one
+    example's (torch: one contraction, no reshape op)."""
+    fast = getattr(adapter(), "example_weighted_sum", None)
+    if fast is not None:
+        return fast(gradients, weights)
+    return ops.reshape(ops.matmul(weights[None, :], example_rows(gradients))[0], ops.shape(gradients)[1:])
+
+
 def squared_norms_of_rows(rows: list):
     """``((B, V), (B, V))``: the squared norms of ``(B, n_k)`` gradient rows of ``V`` variables,
     without overflow (:func:`overflow_safe`; scaled by each row's largest entry)."""
     rows = [ops.cast(r, "float32") for r in rows]
-    plain = ops.stack([row_squared_norms(r) for r in rows], axis=1)
+    plain = stack_columns([row_squared_norms(r) for r in rows])
 
     def rescaled():
         norms, scales = scaled_squared_norms_of_rows(rows)
-        return ops.stack(norms, axis=1), ops.stack(scales, axis=1)
+        return stack_columns(norms), stack_columns(scales)
 
     return overflow_safe(plain, rescaled)
 

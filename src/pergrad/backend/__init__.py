@@ -72,3 +72,9 @@ def adapter():
 
 
 _ADAPTERS = {}
+
+
+def eager():
+    """Whether the active backend runs pergrad's loops in Python (torch's
+    ``EAGER_LOOPS``: no graph, so a loop over known sizes costs nothing to trace)."""
+    return getattr(adapter(), "EAGER_LOOPS", False)

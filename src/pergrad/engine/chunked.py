@@ -40,7 +40,7 @@ from pergrad.aggregators.base import (
     squared_norms_of_rows,
     zero_non_finite_examples,
 )
-from pergrad.backend import adapter
+from pergrad.backend import adapter, eager
 from pergrad.tensors import example_rows
 
 
@@ -69,7 +69,7 @@ class _Chunks:
 
     def __init__(self, batched, batch_size, chunk):
         self.batch_size, self.chunk = batch_size, chunk
-        self.eager = getattr(adapter(), "EAGER_LOOPS", False)
+        self.eager = eager()
         self.tokens, self.end = [], None
         if self.eager:
             self.batched = batched

@@ -17,10 +17,13 @@ from keras import ops, tree
 from pergrad import replicas
 from pergrad.aggregators.base import (
     RowMap,
+    example_squared_norms,
+    example_weighted_sum,
     overflow_safe,
     row_scales,
     row_squared_norms,
     scaled_squared_norms_of_rows,
+    stack_columns,
     zero_examples,
 )
 from pergrad.engine.plan import is_tensor, leading_one
@@ -116,6 +119,7 @@ class Layers:
         # per example before any statistic.
         self.shared = [any(uses[id(v)] > 1 for v in call.variables) for call in plan.calls]
         self._materialized = {}
+        self._ghosts = {}  # (this step's: from the calls' static shapes)
 
     def zero_rows(self, keep):
         """Zeroes example i's ``A`` and ``D`` in every call where ``keep[i]`` is false."""
@@ -135,7 +139,7 @@ class Layers:
 
         other.inputs = [tree.map_structure(apply, t) for t in self.inputs]
         other.deltas = [tree.map_structure(apply, t) for t in self.deltas]
-        other._materialized = {}
+        other._materialized, other._ghosts = {}, {}
         return other
 
     def gathered(self):
@@ -222,9 +226,12 @@ class Layers:
     def _ghost(self, position):
         """Whether the call's statistics come from its rule's formulas (else from its
         per-example gradients)."""
-        call = self.plan.calls[position]
-        return not (call.fallback or call.rule.materializes(
-            call.layer, self.inputs[position], self.deltas[position]))
+        ghost = self._ghosts.get(position)
+        if ghost is None:
+            call = self.plan.calls[position]
+            ghost = self._ghosts[position] = not (call.fallback or call.rule.materializes(
+                call.layer, self.inputs[position], self.deltas[position]))
+        return ghost
 
     def _shared_variables(self, only=None):
         """``{variable index: (B, size) summed per-example gradient rows}`` of shared
@@ -289,7 +296,8 @@ class Layers:
     def _per_call(self, statistic, from_rows, arguments=lambda call: (), every_call=False):
         """``(call, value)`` for every call with no shared variable (with ``every_call``, for
         every call): the rule's ``statistic`` (a ghost formula), or ``from_rows`` of the
-        call's per-example gradient rows; both also get ``arguments(call)``."""
+        call's per-example gradients (float32, batch first, each variable's shape); both
+        also get ``arguments(call)``."""
         for position, call in enumerate(self.plan.calls):
             if self.shared[position] and not every_call:
                 continue
@@ -299,7 +307,7 @@ class Layers:
                     call.layer, self._values(call), self.inputs[position], self.deltas[position], *extra
                 )
             else:
-                value = from_rows([example_rows(g, "float32") for g in self._per_example(position)], *extra)
+                value = from_rows([as_float32(g) for g in self._per_example(position)], *extra)
             yield call, value
 
     @_in_context
@@ -312,10 +320,10 @@ class Layers:
         def columns(scaled):
             norms, scales = [None] * self.count, [None] * self.count
 
-            def from_rows(rows):
+            def from_rows(grads):
                 if scaled:
-                    return scaled_squared_norms_of_rows(rows)
-                return [row_squared_norms(r) for r in rows]
+                    return scaled_squared_norms_of_rows([example_rows(g) for g in grads])
+                return [example_squared_norms(g) for g in grads]
 
             def keep(indices, value):
                 found, found_scales = value if scaled else (value, [None] * len(value))
@@ -337,9 +345,9 @@ class Layers:
 
         def rescaled():
             norms, scales = columns(True)
-            return ops.stack(norms, axis=1), ops.stack(scales, axis=1)
+            return stack_columns(norms), stack_columns(scales)
 
-        plain = ops.stack(columns(False)[0], axis=1)
+        plain = stack_columns(columns(False)[0])
         if not rescale:
             return plain, None
         return overflow_safe(plain, rescaled)
@@ -347,8 +355,8 @@ class Layers:
     @_in_context
     def gram(self, batch_size):
         total = ops.zeros((batch_size, batch_size), "float32")
-        def from_rows(rows):
-            return sum(gram_block(r) for r in rows)
+        def from_rows(grads):
+            return sum(gram_block(example_rows(g)) for g in grads)
 
         for _, part in self._per_call("gram", from_rows):
             total = total + ops.cast(part, "float32")
@@ -361,8 +369,8 @@ class Layers:
         """``(split, B - split)``: ``<g_i, g_j>`` for ``i < split <= j`` (the off-diagonal
         block of :meth:`gram`, each rule's :meth:`~pergrad.layer_rules.LayerRule.cross_gram`)."""
 
-        def from_rows(rows, _split=None):
-            return sum(gram_block(r, split) for r in rows)
+        def from_rows(grads, _split=None):
+            return sum(gram_block(example_rows(g), split) for g in grads)
 
         total = 0.0
         for _, part in self._per_call("cross_gram", from_rows, lambda call: (split,)):
@@ -379,8 +387,8 @@ class Layers:
         call's per-example gradients; a variable several calls read, from their
         per-example gradients summed."""
 
-        def from_rows(rows):
-            return [ops.sum(r * r, axis=0) for r in rows]
+        def from_rows(grads):
+            return [ops.sum(g * g, axis=0) for g in grads]
 
         out = [None] * self.count
         for call, parts in self._per_call("sum_grad_squared", from_rows):
@@ -401,8 +409,8 @@ class Layers:
             w = weights if len(weights.shape) == 1 else weights[:, self.index_of[id(v)]]
             return as_float32(w)
 
-        def from_rows(rows, ws):
-            return [ops.matmul(w[None, :], r)[0] for r, w in zip(rows, ws)]
+        def from_rows(grads, ws):
+            return [example_weighted_sum(g, w) for g, w in zip(grads, ws)]
 
         out = [None] * self.count
         calls = self._per_call("weighted_sum", from_rows, lambda call: ([weight(v) for v in call.variables],),

@@ -14,7 +14,7 @@ import keras
 from keras import ops, tree
 
 from pergrad import compat
-from pergrad.backend import adapter
+from pergrad.backend import adapter, eager
 from pergrad.layer_rules import rule_for
 from pergrad.layer_rules.base import OutputRule, replaced_attribute
 from pergrad.tensors import is_float
@@ -258,7 +258,7 @@ def mark_whole_batch(problem, plan, trainable_values, batched, shared):
 
 def cached_plan(problem, trainable_values, batched, shared) -> Plan:
     """The plan; made once per trace, or once per input signature and variables where steps run eagerly."""
-    if not getattr(adapter(), "EAGER_LOOPS", False):
+    if not eager():
         return make_plan(problem, trainable_values, batched, shared)
     model = problem.model
     key = (

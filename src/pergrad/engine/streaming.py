@@ -26,7 +26,7 @@ from keras import ops
 
 from pergrad import replicas
 from pergrad.aggregators.base import COORDINATE, ExampleStatistics
-from pergrad.backend import adapter
+from pergrad.backend import eager
 from pergrad.engine import statistics
 
 
@@ -71,7 +71,7 @@ def _eager_pieces(variables, rows) -> int:
     """How many parts a ``Dense`` kernel is formed in on an eager backend (1 elsewhere):
     enough that the largest variable's ``rows`` gradients (the batch's, or its buckets')
     stay under ``EAGER_PIECE_BYTES`` (its coordinates' results do not depend on it)."""
-    if not getattr(adapter(), "EAGER_LOOPS", False) or not isinstance(rows, int):
+    if not eager() or not isinstance(rows, int):
         return 1
     largest = max((math.prod(v.shape) for v in variables), default=0)
     return max(1, -(-rows * largest * 4 // EAGER_PIECE_BYTES))

@@ -175,7 +175,10 @@ class DenseRule(PreActivationRule):
 
     def _parts(self, layer):
         """Which of (kernel, bias, lora_a, lora_b) the rule's variables are, in order."""
-        names = {id(getattr(layer, name, None)): name for name in ("bias", "lora_kernel_a", "lora_kernel_b")}
+        # (an absent attribute of a torch layer costs a raised AttributeError: LoRA's asked only
+        # of a layer with LoRA on)
+        lora = ("lora_kernel_a", "lora_kernel_b") if self._lora(layer) else ()
+        names = {id(getattr(layer, name, None)): name for name in ("bias",) + lora}
         return [names.get(id(v), "kernel") for v in self.variables(layer)]
 
     def _pieces(self, layer, values, inputs, delta):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from pergrad.layer_rules.base import OutputRule, context_values, reduce_to, register_rule
+from pergrad.layer_rules.base import OutputRule, layer_context, reduce_to, register_rule
 
 
 class NormalizationRule(OutputRule):
@@ -36,7 +36,8 @@ class NormalizationRule(OutputRule):
             return super().per_example(layer, values, inputs, delta)
         unit = [(v, ops.full(v.shape, self.unit, v.dtype)) for v in (scale,) if v is not None]
         unit += [(v, ops.zeros(v.shape, v.dtype)) for v in (offset,) if v is not None]
-        with keras.StatelessScope(state_mapping=context_values() + unit):
+        # (normalization layers read their own variables only)
+        with keras.StatelessScope(state_mapping=layer_context(layer) + unit):
             normalized = ops.cast(layer(inputs), "float32")
         return [
             reduce_to(normalized * delta if v is scale else delta, tuple(v.shape)) for v in variables
