@@ -159,3 +159,56 @@ def test_segment_sum_rows_matches_keras_segment_sum():
         if 0 <= i < 5:
             expected[i] += row
     np.testing.assert_allclose(mine.numpy(), expected, rtol=1e-6)
+
+
+def test_statistics_helpers_in_raw_torch_match_the_keras_ops_ones(monkeypatch):
+    """The torch adapter's example_squared_norms, example_weighted_sum, stack_columns,
+    all_finite, flat_norms_2d and clip_factors against the backend-neutral code (the
+    adapter's function removed) and a NumPy closed form."""
+    import torch
+    from keras import ops
+
+    from pergrad.aggregators import basic, statistics
+    from pergrad.backend import torch as adapter
+
+    rng = np.random.default_rng(3)
+    weights = torch.from_numpy(rng.random(6).astype(np.float32))
+    shapes = ((6,), (6, 4), (6, 2, 3, 2))
+    grads = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    squared = torch.from_numpy(rng.random((6, 3)).astype(np.float32) * 4)
+    norms = torch.tensor([0.5, 1.0, 2.0, np.inf, np.nan, 0.0])
+    stats = statistics.ExampleStatistics(squared)
+    clip = basic.Clip(1.0)
+
+    def computed():
+        out = [statistics.example_squared_norms(g) for g in grads]
+        out += [statistics.example_weighted_sum(g, weights) for g in grads]
+        out += [statistics.example_weighted_sum(grads[1].to(torch.bfloat16), weights)]  # promoted
+        out += [statistics.stack_columns([g.reshape(6, -1)[:, 0] for g in grads]), stats.flat_norms]
+        out += list(basic._factors_and_count(norms, 1.0)) + [clip.clip_factors(stats)]
+        reports = clip.pop_reports()
+        finite = statistics.overflow_safe(squared, lambda: "rescaled")
+        infinite = statistics.overflow_safe(squared * np.inf, lambda: "rescaled")
+        return [ops.convert_to_numpy(t) for t in out] + [reports["clipped_fraction"], finite[1], infinite]
+
+    fast = computed()
+    for name in ("example_squared_norms", "example_weighted_sum", "stack_columns", "flat_norms_2d",
+                 "clip_factors"):
+        monkeypatch.delattr(adapter, name)
+    monkeypatch.setattr(statistics, "eager", lambda: False)  # overflow_safe by ops.cond
+    reference = computed()
+    for mine, theirs in zip(fast[:-3], reference[:-3]):
+        assert mine.dtype == theirs.dtype
+        np.testing.assert_allclose(mine, theirs, rtol=1e-6)
+    assert float(fast[-3]) == pytest.approx(float(reference[-3]))
+    assert fast[-2] is None and fast[-1] == "rescaled" == reference[-1]
+    # the closed forms
+    g = [t.numpy() for t in grads]
+    for k, t in enumerate(g):
+        np.testing.assert_allclose(fast[k], (t.reshape(6, -1) ** 2).sum(1), rtol=1e-5)
+        np.testing.assert_allclose(fast[3 + k], np.tensordot(weights.numpy(), t, axes=1), rtol=1e-5)
+    np.testing.assert_allclose(fast[8], np.sqrt(squared.numpy().sum(1)), rtol=1e-6)
+    np.testing.assert_allclose(fast[9], [1.0, 1.0, 0.5, 0.0, np.nan, 1.0])
+    assert float(fast[10]) == 2.0  # 2 and inf exceed 1 (NaN does not)
+    clipped = np.sqrt(squared.numpy().sum(1)) > 1.0
+    assert float(fast[-3]) == pytest.approx(clipped.mean())
