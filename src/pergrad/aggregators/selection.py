@@ -364,6 +364,42 @@ def _trimmed_mean(x, dropped, strategy):
     return _with_nan(x, total / (b - 2 * dropped), has_nan)
 
 
+def _outer_rank_sums(a, d, lo, hi):
+    """The adapter's ``outer_rank_sums`` of the rows ``a_j ⊗ d_j`` (torch) or ``None``."""
+    ranks = getattr(adapter(), "outer_rank_sums", None)
+    if ranks is None or _strategy(a) != "backend":
+        return None
+    return ranks(a, d, lo, hi)
+
+
+def outer_median(a, d):
+    """:func:`median` of the ``(B, p, q)`` outer products ``a_j ⊗ d_j`` of ``a`` ``(B, p)``
+    and ``d`` ``(B, q)``, the same bits, without forming them (the torch adapter forms,
+    sorts and sums them a block at a time), or ``None`` where the backend has no such
+    way (the caller forms them)."""
+    b = _static_batch(a)
+    if b is None or b < 2:
+        return None
+    found = _outer_rank_sums(a, d, (b - 1) // 2, b // 2 + 1)
+    if found is None:
+        return None
+    total, has_nan = found
+    return _with_nan(None, total if b % 2 else total / 2, has_nan)
+
+
+def outer_trimmed_mean(a, d, dropped):
+    """:func:`trimmed_mean` of the outer products ``a_j ⊗ d_j``, as :func:`outer_median`
+    (``None`` also where ``dropped`` is 0, a plain mean, or out of range)."""
+    b = _static_batch(a)
+    if b is None or not isinstance(dropped, int) or not 0 < 2 * dropped < b:
+        return None
+    found = _outer_rank_sums(a, d, dropped, b - dropped)
+    if found is None:
+        return None
+    total, has_nan = found
+    return _with_nan(None, total / (b - 2 * dropped), has_nan)
+
+
 def _running_count(mask):
     """How many entries are true up to each position along axis 0 (an inclusive prefix sum)."""
     counts = ops.cast(mask, "int32")

@@ -25,9 +25,11 @@ import math
 from keras import ops
 
 from pergrad import replicas
+from pergrad.aggregators import basic, selection
 from pergrad.aggregators.base import COORDINATE, ExampleStatistics
 from pergrad.backend import adapter
 from pergrad.engine import statistics
+from pergrad.layer_rules.dense import OuterRows, outer_rows
 
 
 def plan(aggregator):
@@ -75,6 +77,20 @@ def _eager_pieces(variables, rows) -> int:
         return 1
     largest = max((math.prod(v.shape) for v in variables), default=0)
     return max(1, -(-rows * largest * 4 // EAGER_PIECE_BYTES))
+
+
+def _outer_rule(final, size):
+    """``final``'s result from a ``Dense`` kernel's rows given as factors (``(a, d) ->``
+    the result, or ``None`` where the backend cannot: then they are formed), where it has
+    one: the median and the trimmed mean (their own ``aggregate_variable``), else ``None``."""
+    if not isinstance(size, int):
+        return None
+    method = getattr(type(final), "aggregate_variable", None)
+    if method is basic.Median.aggregate_variable:
+        return selection.outer_median
+    if method is basic.TrimmedMean.aggregate_variable:
+        return lambda a, d: selection.outer_trimmed_mean(a, d, final._dropped(size))
+    return None
 
 
 def supports(aggregator) -> bool:
@@ -135,26 +151,50 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         rows = mapping if rows is None else rows.then(mapping)
         if mapping.order is not None:
             size = mapping.order.shape[0] or ops.shape(mapping.order)[0]
+    outer = None
     if eager:  # the rows the rule gets: J buckets, or the B examples
         pieces = _eager_pieces(variables, size)
+        # A Dense kernel's rows as factors, selected over a block at a time (torch: the
+        # products formed in cache, straight into the sort's layout).
+        outer = _outer_rule(final, size) if getattr(adapter(), "outer_rank_sums", None) else None
     flags, covered = layers.finite_from_layers()
     finite.extend(flags)
     parts = [[] for _ in variables]
-    for piece, (k, gradients) in enumerate(layers.mapped(rows, variables, size, pieces)):
-        dtype = variables[k].dtype
-        mine = replicas.owns(piece) if gathered else True
-        if mine is False:  # another replica's part
-            parts[k].append(ops.zeros(tuple(gradients.shape[1:]), dtype))
-            continue
-        if k not in covered:
-            finite.append(ops.all(ops.isfinite(gradients)))
-        value = ops.cast(final.aggregate_variable(replicas.spread_coordinates(gradients)), dtype)
-        if mine is not True:
-            value = ops.where(mine, value, ops.zeros_like(value))
-        parts[k].append(value)
+    with outer_rows(outer is not None):
+        for piece, (k, gradients) in enumerate(layers.mapped(rows, variables, size, pieces)):
+            _aggregate_part(final, outer, variables, piece, k, gradients, pieces, gathered, covered,
+                            finite, parts)
     result = [p[0] if len(p) == 1 else ops.concatenate(p, axis=0) for p in parts]
     aux = statistics.finish_aux(problem, aux, non_trainable)
     aux["finite"] = ops.all(ops.stack(finite))
     if gathered:
         aux["finite"] = replicas.all_true(aux["finite"])
     return result, aux
+
+
+def _aggregate_part(final, outer, variables, piece, k, gradients, pieces, gathered, covered, finite,
+                    parts):
+    """Aggregates one part of variable ``k``'s rows into ``parts[k]`` (its finiteness into
+    ``finite`` where the layers' checks do not cover it)."""
+    dtype = variables[k].dtype
+    if isinstance(gradients, OuterRows):  # (only without replicas)
+        value = outer(gradients.a, gradients.d)
+        if value is None:  # (another device, dtype): formed, in the parts they would have had
+            for part in gradients.formed_parts(pieces):
+                _aggregate_part(final, outer, variables, piece, k, part, pieces, gathered, covered,
+                                finite, parts)
+            return
+        if k not in covered:
+            finite.append(gradients.all_finite())
+        parts[k].append(ops.cast(value, dtype))
+        return
+    mine = replicas.owns(piece) if gathered else True
+    if mine is False:  # another replica's part
+        parts[k].append(ops.zeros(tuple(gradients.shape[1:]), dtype))
+        return
+    if k not in covered:
+        finite.append(ops.all(ops.isfinite(gradients)))
+    value = ops.cast(final.aggregate_variable(replicas.spread_coordinates(gradients)), dtype)
+    if mine is not True:
+        value = ops.where(mine, value, ops.zeros_like(value))
+    parts[k].append(value)
