@@ -98,3 +98,24 @@ def test_outer_median_declines_where_the_adapter_does():
     a, d = (torch.from_numpy(x).to(torch.bfloat16) for x in _factors(4, 5, 4))
     assert selection.outer_median(a, d) is None
     assert selection.outer_trimmed_mean(a, d, 1) is None
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_median_and_trimmed_mean_of_factors_the_adapter_declines_are_those_of_the_formed_parts(batch):
+    import torch
+
+    from pergrad.aggregators import selection
+    from pergrad.layer_rules.dense import OuterRows
+
+    a, d = (torch.from_numpy(x).to(torch.bfloat16) for x in _factors(batch, 7, 3, seed=4))
+    formed = a[:, :, None] * d[:, None, :]
+    pairs = [(selection.median(OuterRows(a, d, 3)), selection.median(formed))]
+    if batch > 2:
+        pairs.append((selection.trimmed_mean(OuterRows(a, d, 3), 1), selection.trimmed_mean(formed, 1)))
+    for outer, expected in pairs:
+        assert outer.shape == (7, 3)
+        np.testing.assert_array_equal(_bits(outer.float().numpy()), _bits(expected.float().numpy()))
+    a, d = a.float(), d.float()  # and as the adapter gives them, where it does not decline
+    formed = a[:, :, None] * d[:, None, :]
+    np.testing.assert_array_equal(_bits(selection.median(OuterRows(a, d, 3)).numpy()),
+                                  _bits(selection.median(formed).numpy()))

@@ -102,7 +102,7 @@ def test_the_kernels_factors_give_the_formed_rows_result_bit_for_bit(rule, case,
             if outer:
                 calls = _counting(patch)
             else:
-                patch.setattr(streaming, "_outer_rule", lambda final, size: None)
+                patch.setattr(streaming, "_takes_factors", lambda final: False)
             results.append(_aggregate(problem, RULES[rule](), CASES[case](problem)))
     assert len(calls) == 2  # both Dense kernels, neither formed
     (expected, expected_aux), (result, aux) = results
@@ -133,7 +133,7 @@ def test_lora_factors_and_their_finiteness_give_the_formed_rows_result(rule, mon
                 if outer:
                     calls = _counting(patch, formed=True)
                 else:
-                    patch.setattr(streaming, "_outer_rule", lambda final, size: None)
+                    patch.setattr(streaming, "_takes_factors", lambda final: False)
                 results.append(_aggregate(problem, RULES[rule](), x))
         assert len(calls) == 3  # the 2-D input's LoRA pair, the head's kernel
         (expected, expected_aux), (result, aux) = results
@@ -185,9 +185,9 @@ def test_other_rules_orders_and_backends_get_formed_rows(name, rule, monkeypatch
     else:
         original = OuterRows.__init__
 
-        def recording(self, a, d):
+        def recording(self, a, *args):
             factors.append(a)
-            original(self, a, d)
+            original(self, a, *args)
 
         monkeypatch.setattr(OuterRows, "__init__", recording)
     problem = problems.make(name)
@@ -200,3 +200,26 @@ def test_other_rules_orders_and_backends_get_formed_rows(name, rule, monkeypatch
                                   [oracle.to_numpy(e) for e in expected], rtol=1e-5, atol=1e-5)
     if rule == "median" and TORCH:
         assert [a.shape[1] for a in factors] == ([5, 4] if name == "dense_mlp" else [6])
+
+
+def test_the_factor_rules_are_the_median_and_the_trimmed_mean_by_their_own_method():
+    """``FACTOR_RULES`` names functions that exist (a rename would silently form the rows
+    again); a subclass with its own ``aggregate_variable`` and other rules are not in it."""
+    import importlib
+
+    for name in streaming.FACTOR_RULES:
+        module, cls, method = name.rsplit(".", 2)
+        assert callable(getattr(getattr(importlib.import_module(module), cls), method)), name
+
+    class Lowered(type(median())):
+        def aggregate_variable(self, gradient):
+            return super().aggregate_variable(gradient) - 1.0
+
+    class Renamed(type(trimmed_mean())):
+        pass
+
+    assert streaming._takes_factors(median()) is TORCH
+    assert streaming._takes_factors(trimmed_mean(0.1)) is TORCH
+    assert streaming._takes_factors(Renamed(0.1)) is TORCH  # its parent's method
+    assert not streaming._takes_factors(Lowered())
+    assert not streaming._takes_factors(meamed(0.2))

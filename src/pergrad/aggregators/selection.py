@@ -400,6 +400,16 @@ def outer_trimmed_mean(a, d, dropped):
     return _with_nan(None, total / (b - 2 * dropped), has_nan)
 
 
+def _factored(x, outer, formed):
+    """``outer(a, d)`` of rows given as factors (``x.outer_factors``: ``OuterRows``), else
+    ``formed`` of each of their formed parts (``x.formed_parts()``), joined."""
+    result = outer(*x.outer_factors)
+    if result is not None:
+        return result
+    parts = [formed(part) for part in x.formed_parts()]
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=0)
+
+
 def _running_count(mask):
     """How many entries are true up to each position along axis 0 (an inclusive prefix sum)."""
     counts = ops.cast(mask, "int32")
@@ -449,11 +459,14 @@ def median(x):
     """The median over axis 0, as ``numpy.median`` (even B: the mean of the two middle values).
 
     Args:
-        x: a ``(B, ...)`` tensor.
+        x: a ``(B, ...)`` tensor, or a ``Dense`` kernel's rows as their factors
+            (``pergrad.layer_rules.dense.OuterRows``: :func:`outer_median`).
 
     Returns:
         The ``(...)`` medians.
     """
+    if hasattr(x, "outer_factors"):
+        return _factored(x, outer_median, median)
     return _median(x, _strategy(x))
 
 
@@ -461,13 +474,17 @@ def trimmed_mean(x, dropped):
     """The mean over axis 0 of the sorted values ``[dropped : B - dropped]``.
 
     Args:
-        x: a ``(B, ...)`` tensor.
+        x: a ``(B, ...)`` tensor, or a ``Dense`` kernel's rows as their factors
+            (``OuterRows``: :func:`outer_trimmed_mean`).
         dropped: how many values to drop at each end: a Python int, or an int32
             scalar tensor when B is not static.
 
     Returns:
         The ``(...)`` trimmed means.
     """
+    if hasattr(x, "outer_factors"):
+        return _factored(x, lambda a, d: outer_trimmed_mean(a, d, dropped),
+                         lambda part: trimmed_mean(part, dropped))
     return _trimmed_mean(x, dropped, _strategy(x))
 
 

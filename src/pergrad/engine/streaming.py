@@ -25,7 +25,6 @@ import math
 from keras import ops
 
 from pergrad import replicas
-from pergrad.aggregators import basic, selection
 from pergrad.aggregators.base import COORDINATE, ExampleStatistics
 from pergrad.backend import adapter
 from pergrad.engine import statistics
@@ -79,18 +78,23 @@ def _eager_pieces(variables, rows) -> int:
     return max(1, -(-rows * largest * 4 // EAGER_PIECE_BYTES))
 
 
-def _outer_rule(final, size):
-    """``final``'s result from a ``Dense`` kernel's rows given as factors (``(a, d) ->``
-    the result, or ``None`` where the backend cannot: then they are formed), where it has
-    one: the median and the trimmed mean (their own ``aggregate_variable``), else ``None``."""
-    if not isinstance(size, int):
-        return None
+#: The rules whose ``aggregate_variable`` hands its rows straight to
+#: ``pergrad.aggregators.selection``'s median or trimmed mean, which take a ``Dense``
+#: kernel's rows as factors (``OuterRows``) too. Named, not imported (the engine asks rules
+#: instead of importing them; a declaration of the rules' own would replace this).
+FACTOR_RULES = frozenset({
+    "pergrad.aggregators.basic.Median.aggregate_variable",
+    "pergrad.aggregators.basic.TrimmedMean.aggregate_variable",
+})
+
+
+def _takes_factors(final) -> bool:
+    """Whether ``final`` gets a 2-D input's kernel rows as factors: one of
+    :data:`FACTOR_RULES` (a subclass that overrides ``aggregate_variable`` is not), on a
+    backend whose adapter selects over them (torch: ``outer_rank_sums``)."""
     method = getattr(type(final), "aggregate_variable", None)
-    if method is basic.Median.aggregate_variable:
-        return selection.outer_median
-    if method is basic.TrimmedMean.aggregate_variable:
-        return lambda a, d: selection.outer_trimmed_mean(a, d, final._dropped(size))
-    return None
+    name = f"{getattr(method, '__module__', '')}.{getattr(method, '__qualname__', '')}"
+    return name in FACTOR_RULES and getattr(adapter(), "outer_rank_sums", None) is not None
 
 
 def supports(aggregator) -> bool:
@@ -151,19 +155,16 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         rows = mapping if rows is None else rows.then(mapping)
         if mapping.order is not None:
             size = mapping.order.shape[0] or ops.shape(mapping.order)[0]
-    outer = None
     if eager:  # the rows the rule gets: J buckets, or the B examples
         pieces = _eager_pieces(variables, size)
-        # A Dense kernel's rows as factors, selected over a block at a time (torch: the
-        # products formed in cache, straight into the sort's layout).
-        outer = _outer_rule(final, size) if getattr(adapter(), "outer_rank_sums", None) else None
     flags, covered = layers.finite_from_layers()
     finite.extend(flags)
     parts = [[] for _ in variables]
-    with outer_rows(outer is not None):
+    # A 2-D input's Dense kernel rows as factors: torch selects over them a block at a time
+    # (the products formed in cache, straight into the sort's layout).
+    with outer_rows(eager and _takes_factors(final)):
         for piece, (k, gradients) in enumerate(layers.mapped(rows, variables, size, pieces)):
-            _aggregate_part(final, outer, variables, piece, k, gradients, pieces, gathered, covered,
-                            finite, parts)
+            _aggregate_part(final, variables, piece, k, gradients, gathered, covered, finite, parts)
     result = [p[0] if len(p) == 1 else ops.concatenate(p, axis=0) for p in parts]
     aux = statistics.finish_aux(problem, aux, non_trainable)
     aux["finite"] = ops.all(ops.stack(finite))
@@ -172,21 +173,14 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     return result, aux
 
 
-def _aggregate_part(final, outer, variables, piece, k, gradients, pieces, gathered, covered, finite,
-                    parts):
+def _aggregate_part(final, variables, piece, k, gradients, gathered, covered, finite, parts):
     """Aggregates one part of variable ``k``'s rows into ``parts[k]`` (its finiteness into
     ``finite`` where the layers' checks do not cover it)."""
     dtype = variables[k].dtype
     if isinstance(gradients, OuterRows):  # (only without replicas)
-        value = outer(gradients.a, gradients.d)
-        if value is None:  # (another device, dtype): formed, in the parts they would have had
-            for part in gradients.formed_parts(pieces):
-                _aggregate_part(final, outer, variables, piece, k, part, pieces, gathered, covered,
-                                finite, parts)
-            return
         if k not in covered:
             finite.append(gradients.all_finite())
-        parts[k].append(ops.cast(value, dtype))
+        parts[k].append(ops.cast(final.aggregate_variable(gradients), dtype))
         return
     mine = replicas.owns(piece) if gathered else True
     if mine is False:  # another replica's part

@@ -102,11 +102,16 @@ def _single_slots(rows) -> bool:
 class OuterRows:
     """A 2-D input's kernel rows ``a_j ⊗ d_j`` (``(J, d_in, d_out)``) as their factors ``a``
     (``(J, d_in)``) and ``d`` (``(J, d_out)``): what :meth:`DenseRule.mapped_pieces`
-    gives within :func:`outer_rows` (the streaming path's median and trimmed mean select
-    over them block by block, :func:`pergrad.aggregators.selection.outer_median`)."""
+    gives within :func:`outer_rows`, for ``pergrad.aggregators.selection``'s median and
+    trimmed mean (the torch adapter forms, sorts and sums them a block at a time), which
+    form them in ``pieces`` parts (:meth:`formed_parts`) where they cannot."""
 
-    def __init__(self, a, d):
-        self.a, self.d = a, d
+    def __init__(self, a, d, pieces: int = 1):
+        self.a, self.d, self.pieces = a, d, pieces
+
+    @property
+    def outer_factors(self):
+        return self.a, self.d
 
     @property
     def shape(self):
@@ -116,11 +121,11 @@ class OuterRows:
         """The ``(J, d_in, d_out)`` products, as :meth:`DenseRule.mapped` forms them."""
         return self.a[:, :, None] * self.d[:, None, :]
 
-    def formed_parts(self, pieces: int):
+    def formed_parts(self):
         """:meth:`formed` in up to ``pieces`` parts along ``d_in``, as
         :meth:`DenseRule.mapped_pieces` splits a kernel."""
         size = self.a.shape[1]
-        step = -(-size // max(1, min(pieces, size)))
+        step = -(-size // max(1, min(self.pieces, size)))
         for start in range(0, size, step):
             yield OuterRows(self.a[:, start:start + step], self.d).formed()
 
@@ -138,8 +143,7 @@ _OUTER_ROWS = contextvars.ContextVar("pergrad_outer_rows", default=False)
 def outer_rows(enabled=True):
     """Within it, :meth:`DenseRule.mapped_pieces` gives a 2-D input's kernel parts (also
     LoRA's), where each row is one example's (no row map's order, or one of one slot:
-    a filter's), whole as :class:`OuterRows` (the caller forms them or selects over them:
-    ``pieces`` does not apply to them)."""
+    a filter's), whole as :class:`OuterRows` (formed in ``pieces`` parts where needed)."""
     token = _OUTER_ROWS.set(bool(enabled))
     try:
         yield
@@ -278,16 +282,16 @@ class DenseRule(PreActivationRule):
         return out
 
     def mapped(self, layer, values, inputs, delta, rows, columns) -> list:
-        return self._mapped(layer, values, inputs, delta, rows, columns, outer=False)
+        return self._mapped(layer, values, inputs, delta, rows, columns, outer=0)
 
-    def _mapped(self, layer, values, inputs, delta, rows, columns, outer):
-        """:meth:`mapped`'s parts; with ``outer``, a 2-D input's kernel parts (products
-        ``a_j ⊗ d_j``) as :class:`OuterRows` instead of formed."""
+    def _mapped(self, layer, values, inputs, delta, rows, columns, outer: int):
+        """:meth:`mapped`'s parts; with ``outer`` (pieces, > 0), a 2-D input's kernel parts
+        (products ``a_j ⊗ d_j``) as :class:`OuterRows` instead of formed."""
         # Row j's kernel gradient is sum_t w_jt A_{o_jt}^T D_{o_jt}: the gradient of one
         # "example" whose positions are those of its slots, with D weighted.
         if rows.order is None and rows.weights is None:
             if outer and len(inputs.shape) == 2:
-                return [d if a is None else OuterRows(a, d)
+                return [d if a is None else OuterRows(a, d, outer)
                         for a, d in self._pieces(layer, values, inputs, delta)]
             return self.per_example(layer, values, inputs, delta)
         out = []
@@ -299,10 +303,10 @@ class DenseRule(PreActivationRule):
                 continue
             a_flat = joined_slots(slot_rows(_flat(a, d)[0], rows), rows)
             if rows.order is None and len(a.shape) == 2:
-                rows_of = OuterRows(a_flat[:, 0], weighted[:, 0])
+                rows_of = OuterRows(a_flat[:, 0], weighted[:, 0], outer)
                 out.append(rows_of if outer else rows_of.formed())
             elif outer and len(a.shape) == 2 and a_flat.shape[1] == 1:  # one example a row
-                out.append(OuterRows(a_flat[:, 0], weighted[:, 0]))  # (the einsum's bits)
+                out.append(OuterRows(a_flat[:, 0], weighted[:, 0], outer))  # (the einsum's bits)
             else:
                 out.append(ops.einsum("bni,bno->bio", a_flat, weighted))
         return out
@@ -322,7 +326,8 @@ class DenseRule(PreActivationRule):
     def mapped_pieces(self, layer, values, inputs, delta, rows, columns, pieces: int):
         if _OUTER_ROWS.get() and len(inputs.shape) == 2 and _single_slots(rows):
             # Products of rows, never formed here: each kernel in one part.
-            yield from enumerate(self._mapped(layer, values, inputs, delta, rows, columns, outer=True))
+            yield from enumerate(self._mapped(layer, values, inputs, delta, rows, columns,
+                                              outer=max(1, pieces)))
             return
         size = inputs.shape[-1]
         if pieces <= 1 or size is None or "kernel" not in self._parts(layer) or self._lora(layer):
