@@ -1,7 +1,8 @@
-"""The torch adapter's ranks of outer-product rows (``outer_rank_sums``, torch only): the
-products formed and sorted a block at a time must give, bit for bit, what ``rank_sums``
-gives for the formed ``(B, p, q)`` tensor, and the selection's ``outer_median`` /
-``outer_trimmed_mean`` what ``median`` / ``trimmed_mean`` give for it."""
+"""The torch adapter's ranks of outer-product rows (``outer_rank_sums``, ``outer_meamed``,
+torch only): the products formed and sorted a block at a time must give, bit for bit,
+what ``rank_sums`` / ``meamed_columns`` give for the formed ``(B, p, q)`` tensor, and the
+selection's ``outer_median`` / ``outer_trimmed_mean`` / ``outer_meamed`` what
+``median`` / ``trimmed_mean`` / ``meamed`` give for it."""
 
 from __future__ import annotations
 
@@ -119,3 +120,27 @@ def test_median_and_trimmed_mean_of_factors_the_adapter_declines_are_those_of_th
     formed = a[:, :, None] * d[:, None, :]
     np.testing.assert_array_equal(_bits(selection.median(OuterRows(a, d, 3)).numpy()),
                                   _bits(selection.median(formed).numpy()))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_outer_meamed_is_the_formed_products_meamed(batch, dtype):
+    import torch
+
+    from pergrad.aggregators import selection
+    from pergrad.backend import torch as adapter
+
+    a, d = _factors(batch, 13, 11, dtype, seed=batch + 2)
+    a[:, 4] = 1.0  # every example's products of row 4 tie at the kept-th distance somewhere
+    a, d = torch.from_numpy(a), torch.from_numpy(d)
+    formed = a[:, :, None] * d[:, None, :]
+    item = a.element_size()
+    for kept in sorted({1, max(1, batch // 2), batch}):
+        expected = adapter.meamed_columns(formed.reshape(batch, -1), kept)
+        for block_bytes in (1 << 19, 3 * 11 * batch * item, 1, 4 * batch * item):
+            outer = adapter.outer_meamed(a, d, kept, block_bytes=block_bytes)
+            np.testing.assert_array_equal(_bits(outer.numpy()).reshape(-1), _bits(expected.numpy()))
+        through = selection.outer_meamed(a, d, kept)
+        np.testing.assert_array_equal(_bits(through.numpy()), _bits(selection.meamed(formed, kept).numpy()))
+    assert selection.outer_meamed(a, d, 0) is None and selection.outer_meamed(a, d, batch + 1) is None
+    assert adapter.outer_meamed(a.requires_grad_(True), d, 1) is None

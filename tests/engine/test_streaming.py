@@ -225,14 +225,14 @@ def test_microbatches_bound_the_blocks_a_dense_kernel_is_aggregated_in(rule, mon
     assert split == (rule == "median"), widths
 
 
-@pytest.mark.parametrize("rule", ["meamed", "bucketmedian", "per_variable"])
+@pytest.mark.parametrize("rule", ["signs", "bucketmedian", "per_variable"])
 def test_eager_backends_form_large_kernels_in_parts_without_microbatches(rule, monkeypatch):
     """Without ``microbatch_size``, an eager backend (torch) forms a coordinate-wise rule's
     Dense kernels in parts of at most ``EAGER_PIECE_BYTES`` (here forced small); compiled
     backends, and a function that may mix coordinates, get them whole. The result is the
-    materialized path's. (The median and trimmed mean of a 2-D input's kernel are not
-    formed on torch: test_streaming_outer.py.)"""
-    make = {"meamed": lambda: meamed(0.2), "bucketmedian": lambda: bucketing(2, median(), seed=3),
+    materialized path's. (The median, trimmed mean and MeaMed of a 2-D input's kernel are
+    not formed on torch: test_streaming_outer.py.)"""
+    make = {"signs": sign_majority, "bucketmedian": lambda: bucketing(2, median(), seed=3),
             "per_variable": lambda: per_variable(_normalized_first)}[rule]
     widths, recording = _recording_widths()
     results = []

@@ -1,7 +1,7 @@
-"""The streaming path's median and trimmed mean from a ``Dense`` kernel's factors.
+"""The streaming path's median, trimmed mean and MeaMed from a ``Dense`` kernel's factors.
 
 On torch (whose adapter has ``outer_rank_sums``), a 2-D input's kernel rows
-``a_j ⊗ d_j`` reach the median and the trimmed mean as
+``a_j ⊗ d_j`` reach the median, the trimmed mean and MeaMed as
 :class:`~pergrad.layer_rules.dense.OuterRows`, never formed whole: the result must be,
 bit for bit, the one from the formed rows (the path without them), with clipping
 weights, LoRA, NaN and infinite values, zeros of both signs, odd and even batches. On
@@ -18,7 +18,16 @@ from keras import ops
 import oracle
 import pergrad
 import problems
-from pergrad.aggregators import bucketing, chain, clip, meamed, median, norm_filter, trimmed_mean
+from pergrad.aggregators import (
+    bucketing,
+    chain,
+    clip,
+    meamed,
+    median,
+    norm_filter,
+    sign_majority,
+    trimmed_mean,
+)
 from pergrad.backend import adapter
 from pergrad.engine import PerExampleProblem, streaming
 from pergrad.layer_rules.dense import OuterRows
@@ -31,6 +40,8 @@ RULES = {
     "clip_median": lambda: chain(clip(0.05), median()),
     "clip_per_layer_trimmed": lambda: chain(clip(0.05, per_layer=True), trimmed_mean(0.2)),
     "filter_median": lambda: chain(norm_filter(drop_fraction=0.2), median()),
+    "meamed": lambda: meamed(0.2),
+    "clip_meamed": lambda: chain(clip(0.05), meamed(0.34)),
 }
 
 
@@ -55,19 +66,21 @@ def _aggregate(problem, rule, x=None):
 
 
 def _counting(monkeypatch, formed=False):
-    """Counts the adapter's ``outer_rank_sums`` calls and forbids forming ``OuterRows``
-    (unless ``formed``)."""
+    """Counts the adapter's ``outer_rank_sums`` and ``outer_meamed`` calls and forbids
+    forming ``OuterRows`` (unless ``formed``)."""
     calls = []
-    original = adapter().outer_rank_sums
 
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return original(*args, **kwargs)
+    def counted(original):
+        def function(*args, **kwargs):
+            calls.append(args[0].shape)
+            return original(*args, **kwargs)
+        return function
 
     def refuse(self, *args):
         raise AssertionError("OuterRows formed")
 
-    monkeypatch.setattr(adapter(), "outer_rank_sums", counted)
+    for name in ("outer_rank_sums", "outer_meamed"):
+        monkeypatch.setattr(adapter(), name, counted(getattr(adapter(), name)))
     if not formed:
         monkeypatch.setattr(OuterRows, "formed", refuse)
     return calls
@@ -115,7 +128,7 @@ def test_the_kernels_factors_give_the_formed_rows_result_bit_for_bit(rule, case,
 
 
 @pytest.mark.skipif(not TORCH, reason="the torch adapter's outer_rank_sums")
-@pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean", "meamed"])
 def test_lora_factors_and_their_finiteness_give_the_formed_rows_result(rule, monkeypatch):
     """LoRA's ``A`` and ``B`` as factors too: the layers' checks do not cover them, their
     finiteness comes from the factors. (``A``'s ``d`` needs gradients on torch, from
@@ -172,13 +185,14 @@ def _refuse_factors(self, *args):
     raise AssertionError("OuterRows made")
 
 
-@pytest.mark.parametrize("name, rule", [("dense_mlp", "meamed"), ("dense_mlp", "bucketing_median"),
+@pytest.mark.parametrize("name, rule", [("dense_mlp", "sign_majority"), ("dense_mlp", "bucketing_median"),
                                         ("dense_sequence", "median"), ("dense_mlp", "median")])
 def test_other_rules_orders_and_backends_get_formed_rows(name, rule, monkeypatch):
-    """MeaMed, a bucketing's order and the compiled backends get formed rows (an eager
-    backend's kernels in parts); a sequence input's kernels are formed, a 2-D one's (the
-    last layer) factored on torch. Each is the materialized path's result."""
-    make = {"meamed": meamed, "median": median, "bucketing_median": lambda: bucketing(2, median(), seed=3)}
+    """Sign majority, a bucketing's order and the compiled backends get formed rows (an
+    eager backend's kernels in parts); a sequence input's kernels are formed, a 2-D one's
+    (the last layer) factored on torch. Each is the materialized path's result."""
+    make = {"sign_majority": sign_majority, "median": median,
+            "bucketing_median": lambda: bucketing(2, median(), seed=3)}
     factors = []
     if (rule != "median" or not TORCH):
         monkeypatch.setattr(OuterRows, "__init__", _refuse_factors)
@@ -221,5 +235,6 @@ def test_the_factor_rules_are_the_median_and_the_trimmed_mean_by_their_own_metho
     assert streaming._takes_factors(median()) is TORCH
     assert streaming._takes_factors(trimmed_mean(0.1)) is TORCH
     assert streaming._takes_factors(Renamed(0.1)) is TORCH  # its parent's method
+    assert streaming._takes_factors(meamed(0.2)) is TORCH
     assert not streaming._takes_factors(Lowered())
-    assert not streaming._takes_factors(meamed(0.2))
+    assert not streaming._takes_factors(sign_majority())

@@ -400,6 +400,16 @@ def outer_trimmed_mean(a, d, dropped):
     return _with_nan(None, total / (b - 2 * dropped), has_nan)
 
 
+def outer_meamed(a, d, kept):
+    """:func:`meamed` of the outer products ``a_j ⊗ d_j``, as :func:`outer_median` (``None``
+    also where ``kept`` is not a Python int in ``[1, B]``)."""
+    b = _static_batch(a)
+    function = getattr(adapter(), "outer_meamed", None)
+    if function is None or _strategy(a) != "backend" or b is None or not isinstance(kept, int):
+        return None
+    return function(a, d, kept) if 0 < kept <= b else None
+
+
 def _factored(x, outer, formed):
     """``outer(a, d)`` of rows given as factors (``x.outer_factors``: ``OuterRows``), else
     ``formed`` of each of their formed parts (``x.formed_parts()``), joined."""
@@ -502,4 +512,6 @@ def meamed(x, kept):
     Returns:
         The ``(...)`` means around the median.
     """
+    if hasattr(x, "outer_factors"):  # a Dense kernel's rows as factors (OuterRows)
+        return _factored(x, lambda a, d: outer_meamed(a, d, kept), lambda part: meamed(part, kept))
     return _meamed(x, kept, _strategy(x))

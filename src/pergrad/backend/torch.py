@@ -580,3 +580,35 @@ def _ranks_into(values, lo, hi, total, nan, accumulate):
     else:
         total[...] = np.sum(values[:, lo:hi], axis=1, dtype=accumulate).reshape(shape)
     nan[...] = np.isnan(values[:, -1]).reshape(shape)
+
+
+def outer_meamed(a, d, kept, block_bytes=1 << 19):
+    """``(p, q)``: :func:`meamed_columns` of the per-example outer products ``a_i ⊗ d_i``,
+    the same bits, the products formed by ``torch.mul`` a block at a time straight into its
+    ``(coordinates, B)`` rows (:func:`outer_rank_sums`), or ``None`` where it does not
+    apply."""
+    x = _sortable(a)
+    if x is None or _sortable(d) is None or a.dtype != d.dtype or d.dim() != 2:
+        return None
+    batch, p = a.shape
+    q = d.shape[1]
+    if d.shape[0] != batch or not 0 < kept <= batch:
+        return None
+    per_value = batch * a.element_size()
+    columns = max(1, min(q, block_bytes // per_value))
+    rows = max(1, min(p, block_bytes // (per_value * columns)))
+    left, right = a.t().contiguous(), d.t().contiguous()
+    formed = torch.empty((rows * columns * batch,), dtype=a.dtype)
+    buffers = [np.empty((rows * columns, batch), x.dtype) for _ in range(2)]
+    out = np.empty((p, q), x.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for i in range(0, p, rows):
+            m = min(rows, p - i)
+            for j in range(0, q, columns):
+                n = min(columns, q - j)
+                block = formed[: m * n * batch].view(m, n, batch)
+                torch.mul(left[i:i + m, None, :], right[None, j:j + n, :], out=block)
+                values = block.numpy().reshape(m * n, batch)
+                ordered, distances = (b[: m * n] for b in buffers)
+                out[i:i + m, j:j + n] = _meamed_block(values, ordered, distances, kept).reshape(m, n)
+    return torch.from_numpy(out)

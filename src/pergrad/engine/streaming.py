@@ -79,12 +79,13 @@ def _eager_pieces(variables, rows) -> int:
 
 
 #: The rules whose ``aggregate_variable`` hands its rows straight to
-#: ``pergrad.aggregators.selection``'s median or trimmed mean, which take a ``Dense``
-#: kernel's rows as factors (``OuterRows``) too. Named, not imported (the engine asks rules
-#: instead of importing them; a declaration of the rules' own would replace this).
+#: ``pergrad.aggregators.selection``'s median, trimmed mean or MeaMed, which take a
+#: ``Dense`` kernel's rows as factors (``OuterRows``) too. Named, not imported (the engine
+#: asks rules instead of importing them; a declaration of the rules' own would replace this).
 FACTOR_RULES = frozenset({
     "pergrad.aggregators.basic.Median.aggregate_variable",
     "pergrad.aggregators.basic.TrimmedMean.aggregate_variable",
+    "pergrad.aggregators.robust.MeaMed.aggregate_variable",
 })
 
 

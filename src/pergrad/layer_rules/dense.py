@@ -324,13 +324,15 @@ class DenseRule(PreActivationRule):
         return finite & ops.all(ops.isfinite(inputs)) & ops.all(ops.isfinite(largest))
 
     def mapped_pieces(self, layer, values, inputs, delta, rows, columns, pieces: int):
-        if _OUTER_ROWS.get() and len(inputs.shape) == 2 and _single_slots(rows):
-            # Products of rows, never formed here: each kernel in one part.
-            yield from enumerate(self._mapped(layer, values, inputs, delta, rows, columns,
-                                              outer=max(1, pieces)))
-            return
         size = inputs.shape[-1]
-        if pieces <= 1 or size is None or "kernel" not in self._parts(layer) or self._lora(layer):
+        whole = pieces <= 1 or size is None or "kernel" not in self._parts(layer) or self._lora(layer)
+        if _OUTER_ROWS.get() and len(inputs.shape) == 2 and _single_slots(rows):
+            # Products of rows, not formed here: each kernel in one part (formed, where it
+            # must be, in the parts it would have had below).
+            yield from enumerate(self._mapped(layer, values, inputs, delta, rows, columns,
+                                              outer=1 if whole else pieces))
+            return
+        if whole:
             yield from super().mapped_pieces(layer, values, inputs, delta, rows, columns, pieces)
             return
         step = -(-size // min(pieces, size))
