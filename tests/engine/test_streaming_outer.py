@@ -131,9 +131,9 @@ def test_the_kernels_factors_give_the_formed_rows_result_bit_for_bit(rule, case,
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean", "meamed"])
 def test_lora_factors_and_their_finiteness_give_the_formed_rows_result(rule, monkeypatch):
     """LoRA's ``A`` and ``B`` as factors too: the layers' checks do not cover them, their
-    finiteness comes from the factors. (``A``'s ``d`` needs gradients on torch, from
-    ``B``'s value: the adapter declines it, as ``rank_sums`` the formed rows, and it is
-    formed.)"""
+    finiteness comes from the factors. (On torch ``A``'s ``d`` and ``B``'s ``a`` need
+    gradients, from each other's values: the adapter declines them, as ``rank_sums`` the
+    formed rows, and they are formed, whole as before.)"""
     for infinite in (False, True):
         results = []
         for outer in (False, True):
