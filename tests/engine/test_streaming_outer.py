@@ -238,3 +238,28 @@ def test_the_factor_rules_are_the_median_and_the_trimmed_mean_by_their_own_metho
     assert streaming._takes_factors(meamed(0.2)) is TORCH
     assert not streaming._takes_factors(Lowered())
     assert not streaming._takes_factors(sign_majority())
+
+
+@pytest.mark.skipif(not TORCH, reason="the torch adapter's outer_rank_sums")
+def test_microbatches_get_the_factors_too(monkeypatch):
+    """With ``microbatch_size`` (blocks of the formed kernel elsewhere) torch's median also
+    selects from the factors: the result is the formed blocks' (the materialized path's)."""
+    results = []
+    for path, microbatch in (("materialized", None), ("auto", 2)):
+        problem = problems.make("dense_mlp")
+        wrapper = pergrad.PerExampleModel(problem.model, chain(clip(0.05), median()), path=path,
+                                          microbatch_size=microbatch)
+        problem.compile(wrapper, optimizer=keras.optimizers.SGD(0.3))
+        with monkeypatch.context() as patch:
+            if path == "auto":
+                calls = _counting(patch)
+                patch.setattr(PerExampleProblem, "compute", _refuse)
+            wrapper.fit(problem.x, problem.y, sample_weight=problem.sample_weight, batch_size=problems.BATCH,
+                        epochs=2, shuffle=False, verbose=0)
+        results.append(wrapper.model)
+    assert len(calls) == 2 * 2  # two kernels, two steps
+    oracle.assert_weights_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the streaming path built the model's materialized per-example gradients")

@@ -162,8 +162,10 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     finite.extend(flags)
     parts = [[] for _ in variables]
     # A 2-D input's Dense kernel rows as factors: torch selects over them a block at a time
-    # (the products formed in cache, straight into the sort's layout).
-    with outer_rows(eager and _takes_factors(final)):
+    # (the products formed in cache, straight into the sort's layout; with microbatch_size
+    # too: less memory than its blocks).
+    factored = not gathered and replicas.data_parallel() is None and _takes_factors(final)
+    with outer_rows(factored):
         for piece, (k, gradients) in enumerate(layers.mapped(rows, variables, size, pieces)):
             _aggregate_part(final, variables, piece, k, gradients, gathered, covered, finite, parts)
     result = [p[0] if len(p) == 1 else ops.concatenate(p, axis=0) for p in parts]
