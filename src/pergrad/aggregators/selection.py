@@ -364,6 +364,62 @@ def _trimmed_mean(x, dropped, strategy):
     return _with_nan(x, total / (b - 2 * dropped), has_nan)
 
 
+def _outer_rank_sums(a, d, lo, hi):
+    """The adapter's ``outer_rank_sums`` of the rows ``a_j ⊗ d_j`` (torch) or ``None``."""
+    ranks = getattr(adapter(), "outer_rank_sums", None)
+    if ranks is None or _strategy(a) != "backend":
+        return None
+    return ranks(a, d, lo, hi)
+
+
+def outer_median(a, d):
+    """:func:`median` of the ``(B, p, q)`` outer products ``a_j ⊗ d_j`` of ``a`` ``(B, p)``
+    and ``d`` ``(B, q)``, the same bits, without forming them (the torch adapter forms,
+    sorts and sums them a block at a time), or ``None`` where the backend has no such
+    way (the caller forms them)."""
+    b = _static_batch(a)
+    if b is None or b < 2:
+        return None
+    found = _outer_rank_sums(a, d, (b - 1) // 2, b // 2 + 1)
+    if found is None:
+        return None
+    total, has_nan = found
+    return _with_nan(None, total if b % 2 else total / 2, has_nan)
+
+
+def outer_trimmed_mean(a, d, dropped):
+    """:func:`trimmed_mean` of the outer products ``a_j ⊗ d_j``, as :func:`outer_median`
+    (``None`` also where ``dropped`` is 0, a plain mean, or out of range)."""
+    b = _static_batch(a)
+    if b is None or not isinstance(dropped, int) or not 0 < 2 * dropped < b:
+        return None
+    found = _outer_rank_sums(a, d, dropped, b - dropped)
+    if found is None:
+        return None
+    total, has_nan = found
+    return _with_nan(None, total / (b - 2 * dropped), has_nan)
+
+
+def outer_meamed(a, d, kept):
+    """:func:`meamed` of the outer products ``a_j ⊗ d_j``, as :func:`outer_median` (``None``
+    also where ``kept`` is not a Python int in ``[1, B]``)."""
+    b = _static_batch(a)
+    function = getattr(adapter(), "outer_meamed", None)
+    if function is None or _strategy(a) != "backend" or b is None or not isinstance(kept, int):
+        return None
+    return function(a, d, kept) if 0 < kept <= b else None
+
+
+def _factored(x, outer, formed):
+    """``outer(a, d)`` of rows given as factors (``x.outer_factors``: ``OuterRows``), else
+    ``formed`` of each of their formed parts (``x.formed_parts()``), joined."""
+    result = outer(*x.outer_factors)
+    if result is not None:
+        return result
+    parts = [formed(part) for part in x.formed_parts()]
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=0)
+
+
 def _running_count(mask):
     """How many entries are true up to each position along axis 0 (an inclusive prefix sum)."""
     counts = ops.cast(mask, "int32")
@@ -413,11 +469,14 @@ def median(x):
     """The median over axis 0, as ``numpy.median`` (even B: the mean of the two middle values).
 
     Args:
-        x: a ``(B, ...)`` tensor.
+        x: a ``(B, ...)`` tensor, or a ``Dense`` kernel's rows as their factors
+            (``pergrad.layer_rules.dense.OuterRows``: :func:`outer_median`).
 
     Returns:
         The ``(...)`` medians.
     """
+    if hasattr(x, "outer_factors"):
+        return _factored(x, outer_median, median)
     return _median(x, _strategy(x))
 
 
@@ -425,13 +484,17 @@ def trimmed_mean(x, dropped):
     """The mean over axis 0 of the sorted values ``[dropped : B - dropped]``.
 
     Args:
-        x: a ``(B, ...)`` tensor.
+        x: a ``(B, ...)`` tensor, or a ``Dense`` kernel's rows as their factors
+            (``OuterRows``: :func:`outer_trimmed_mean`).
         dropped: how many values to drop at each end: a Python int, or an int32
             scalar tensor when B is not static.
 
     Returns:
         The ``(...)`` trimmed means.
     """
+    if hasattr(x, "outer_factors"):
+        return _factored(x, lambda a, d: outer_trimmed_mean(a, d, dropped),
+                         lambda part: trimmed_mean(part, dropped))
     return _trimmed_mean(x, dropped, _strategy(x))
 
 
@@ -449,4 +512,6 @@ def meamed(x, kept):
     Returns:
         The ``(...)`` means around the median.
     """
+    if hasattr(x, "outer_factors"):  # a Dense kernel's rows as factors (OuterRows)
+        return _factored(x, lambda a, d: outer_meamed(a, d, kept), lambda part: meamed(part, kept))
     return _meamed(x, kept, _strategy(x))

@@ -28,6 +28,7 @@ from pergrad import replicas
 from pergrad.aggregators.base import COORDINATE, ExampleStatistics
 from pergrad.backend import eager
 from pergrad.engine import statistics
+from pergrad.layer_rules.dense import OuterRows, outer_rows
 
 
 def plan(aggregator):
@@ -75,6 +76,26 @@ def _eager_pieces(variables, rows) -> int:
         return 1
     largest = max((math.prod(v.shape) for v in variables), default=0)
     return max(1, -(-rows * largest * 4 // EAGER_PIECE_BYTES))
+
+
+#: The rules whose ``aggregate_variable`` hands its rows straight to
+#: ``pergrad.aggregators.selection``'s median, trimmed mean or MeaMed, which take a
+#: ``Dense`` kernel's rows as factors (``OuterRows``) too. Named, not imported (the engine
+#: asks rules instead of importing them; a declaration of the rules' own would replace this).
+FACTOR_RULES = frozenset({
+    "pergrad.aggregators.basic.Median.aggregate_variable",
+    "pergrad.aggregators.basic.TrimmedMean.aggregate_variable",
+    "pergrad.aggregators.robust.MeaMed.aggregate_variable",
+})
+
+
+def _takes_factors(final) -> bool:
+    """Whether ``final`` gets a 2-D input's kernel rows as factors: one of
+    :data:`FACTOR_RULES` (a subclass that overrides ``aggregate_variable`` is not), on a
+    backend whose adapter selects over them (torch: ``outer_rank_sums``)."""
+    method = getattr(type(final), "aggregate_variable", None)
+    name = f"{getattr(method, '__module__', '')}.{getattr(method, '__qualname__', '')}"
+    return name in FACTOR_RULES and getattr(adapter(), "outer_rank_sums", None) is not None
 
 
 def supports(aggregator) -> bool:
@@ -140,21 +161,37 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     flags, covered = layers.finite_from_layers()
     finite.extend(flags)
     parts = [[] for _ in variables]
-    for piece, (k, gradients) in enumerate(layers.mapped(rows, variables, size, pieces)):
-        dtype = variables[k].dtype
-        mine = replicas.owns(piece) if gathered else True
-        if mine is False:  # another replica's part
-            parts[k].append(ops.zeros(tuple(gradients.shape[1:]), dtype))
-            continue
-        if k not in covered:
-            finite.append(ops.all(ops.isfinite(gradients)))
-        value = ops.cast(final.aggregate_variable(replicas.spread_coordinates(gradients)), dtype)
-        if mine is not True:
-            value = ops.where(mine, value, ops.zeros_like(value))
-        parts[k].append(value)
+    # A 2-D input's Dense kernel rows as factors: torch selects over them a block at a time
+    # (the products formed in cache, straight into the sort's layout; with microbatch_size
+    # too: less memory than its blocks).
+    factored = not gathered and replicas.data_parallel() is None and _takes_factors(final)
+    with outer_rows(factored):
+        for piece, (k, gradients) in enumerate(layers.mapped(rows, variables, size, pieces)):
+            _aggregate_part(final, variables, piece, k, gradients, gathered, covered, finite, parts)
     result = [p[0] if len(p) == 1 else ops.concatenate(p, axis=0) for p in parts]
     aux = statistics.finish_aux(problem, aux, non_trainable)
     aux["finite"] = ops.all(ops.stack(finite))
     if gathered:
         aux["finite"] = replicas.all_true(aux["finite"])
     return result, aux
+
+
+def _aggregate_part(final, variables, piece, k, gradients, gathered, covered, finite, parts):
+    """Aggregates one part of variable ``k``'s rows into ``parts[k]`` (its finiteness into
+    ``finite`` where the layers' checks do not cover it)."""
+    dtype = variables[k].dtype
+    if isinstance(gradients, OuterRows):  # (only without replicas)
+        if k not in covered:
+            finite.append(gradients.all_finite())
+        parts[k].append(ops.cast(final.aggregate_variable(gradients), dtype))
+        return
+    mine = replicas.owns(piece) if gathered else True
+    if mine is False:  # another replica's part
+        parts[k].append(ops.zeros(tuple(gradients.shape[1:]), dtype))
+        return
+    if k not in covered:
+        finite.append(ops.all(ops.isfinite(gradients)))
+    value = ops.cast(final.aggregate_variable(replicas.spread_coordinates(gradients)), dtype)
+    if mine is not True:
+        value = ops.where(mine, value, ops.zeros_like(value))
+    parts[k].append(value)

@@ -23,6 +23,8 @@ are these formulas on one ``(a, d)`` pair, for the rules that reuse them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import keras
@@ -90,6 +92,63 @@ def outer_per_example(inputs, delta):
         return inputs[:, :, None] * delta[:, None, :]
     a, d = _flat(inputs, delta)
     return ops.einsum("bni,bno->bio", a, d)
+
+
+def _single_slots(rows) -> bool:
+    """Whether each output row of the map is one example's (scaled): no order, or one slot."""
+    return rows.order is None or rows.order.shape[1] == 1
+
+
+class OuterRows:
+    """A 2-D input's kernel rows ``a_j ⊗ d_j`` (``(J, d_in, d_out)``) as their factors ``a``
+    (``(J, d_in)``) and ``d`` (``(J, d_out)``): what :meth:`DenseRule.mapped_pieces`
+    gives within :func:`outer_rows`, for ``pergrad.aggregators.selection``'s median and
+    trimmed mean (the torch adapter forms, sorts and sums them a block at a time), which
+    form them in ``pieces`` parts (:meth:`formed_parts`) where they cannot."""
+
+    def __init__(self, a, d, pieces: int = 1):
+        self.a, self.d, self.pieces = a, d, pieces
+
+    @property
+    def outer_factors(self):
+        return self.a, self.d
+
+    @property
+    def shape(self):
+        return (self.a.shape[0], self.a.shape[1], self.d.shape[1])
+
+    def formed(self):
+        """The ``(J, d_in, d_out)`` products, as :meth:`DenseRule.mapped` forms them."""
+        return self.a[:, :, None] * self.d[:, None, :]
+
+    def formed_parts(self):
+        """:meth:`formed` in up to ``pieces`` parts along ``d_in``, as
+        :meth:`DenseRule.mapped_pieces` splits a kernel."""
+        size = self.a.shape[1]
+        step = -(-size // max(1, min(self.pieces, size)))
+        for start in range(0, size, step):
+            yield OuterRows(self.a[:, start:start + step], self.d).formed()
+
+    def all_finite(self):
+        """Whether every product is finite, from the factors (:meth:`DenseRule.all_finite`'s
+        argument: exact)."""
+        largest = ops.max(ops.abs(self.a), axis=1) * ops.max(ops.abs(self.d), axis=1)
+        return ops.all(ops.isfinite(self.a)) & ops.all(ops.isfinite(self.d)) & ops.all(ops.isfinite(largest))
+
+
+_OUTER_ROWS = contextvars.ContextVar("pergrad_outer_rows", default=False)
+
+
+@contextlib.contextmanager
+def outer_rows(enabled=True):
+    """Within it, :meth:`DenseRule.mapped_pieces` gives a 2-D input's kernel parts (also
+    LoRA's), where each row is one example's (no row map's order, or one of one slot:
+    a filter's), whole as :class:`OuterRows` (formed in ``pieces`` parts where needed)."""
+    token = _OUTER_ROWS.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _OUTER_ROWS.reset(token)
 
 
 def _eager(name):
@@ -226,9 +285,17 @@ class DenseRule(PreActivationRule):
         return out
 
     def mapped(self, layer, values, inputs, delta, rows, columns) -> list:
+        return self._mapped(layer, values, inputs, delta, rows, columns, outer=0)
+
+    def _mapped(self, layer, values, inputs, delta, rows, columns, outer: int):
+        """:meth:`mapped`'s parts; with ``outer`` (pieces, > 0), a 2-D input's kernel parts
+        (products ``a_j ⊗ d_j``) as :class:`OuterRows` instead of formed."""
         # Row j's kernel gradient is sum_t w_jt A_{o_jt}^T D_{o_jt}: the gradient of one
         # "example" whose positions are those of its slots, with D weighted.
         if rows.order is None and rows.weights is None:
+            if outer and len(inputs.shape) == 2:
+                return [d if a is None else OuterRows(a, d, outer)
+                        for a, d in self._pieces(layer, values, inputs, delta)]
             return self.per_example(layer, values, inputs, delta)
         out = []
         for (a, d), column in zip(self._pieces(layer, values, inputs, delta), columns):
@@ -239,7 +306,10 @@ class DenseRule(PreActivationRule):
                 continue
             a_flat = joined_slots(slot_rows(_flat(a, d)[0], rows), rows)
             if rows.order is None and len(a.shape) == 2:
-                out.append(a_flat[:, 0, :, None] * weighted[:, 0, None, :])
+                rows_of = OuterRows(a_flat[:, 0], weighted[:, 0], outer)
+                out.append(rows_of if outer else rows_of.formed())
+            elif outer and len(a.shape) == 2 and a_flat.shape[1] == 1:  # one example a row
+                out.append(OuterRows(a_flat[:, 0], weighted[:, 0], outer))  # (the einsum's bits)
             else:
                 out.append(ops.einsum("bni,bno->bio", a_flat, weighted))
         return out
@@ -258,7 +328,14 @@ class DenseRule(PreActivationRule):
 
     def mapped_pieces(self, layer, values, inputs, delta, rows, columns, pieces: int):
         size = inputs.shape[-1]
-        if pieces <= 1 or size is None or "kernel" not in self._parts(layer) or self._lora(layer):
+        whole = pieces <= 1 or size is None or "kernel" not in self._parts(layer) or self._lora(layer)
+        if _OUTER_ROWS.get() and len(inputs.shape) == 2 and _single_slots(rows):
+            # Products of rows, not formed here: each kernel in one part (formed, where it
+            # must be, in the parts it would have had below).
+            yield from enumerate(self._mapped(layer, values, inputs, delta, rows, columns,
+                                              outer=1 if whole else pieces))
+            return
+        if whole:
             yield from super().mapped_pieces(layer, values, inputs, delta, rows, columns, pieces)
             return
         step = -(-size // min(pieces, size))
