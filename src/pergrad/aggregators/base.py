@@ -98,6 +98,7 @@ __all__ = [
     "scaled_squared_norms_of_rows",
     "serializable",
     "split_units",
+    "takes_outer_rows",
     "squared_norms_of_rows",
     "stack_columns",
     "static_batch_size",
@@ -155,6 +156,17 @@ def protocol_form(method):
     subclass that defines its own method is not marked unless it says so, and the
     engine then calls that method."""
     method.protocol_form = True
+    return method
+
+
+def takes_outer_rows(method):
+    """Marks a coordinate rule's ``aggregate_variable`` as taking a ``Dense`` kernel's rows as
+    their factors (:class:`pergrad.layer_rules.dense.OuterRows`: the median, trimmed mean
+    and MeaMed of :mod:`pergrad.aggregators.selection` select over them a block at a time,
+    without the formed kernel). The streaming path then hands such rows to it where the
+    adapter selects over factors. A subclass that defines its own method is not marked
+    unless it says so, and gets formed rows."""
+    method.takes_outer_rows = True
     return method
 
 

@@ -16,6 +16,7 @@ from pergrad.aggregators.base import (
     WeightedAggregator,
     protocol_form,
     serializable,
+    takes_outer_rows,
 )
 from pergrad.aggregators.registry import register
 from pergrad.arguments import check_number
@@ -64,6 +65,7 @@ class Median(CoordinateAggregator):
 
     coordinatewise = True
 
+    @takes_outer_rows
     def aggregate_variable(self, gradient):
         return selection.median(gradient)
 
@@ -96,6 +98,7 @@ class TrimmedMean(CoordinateAggregator):
             return dropped
         return ops.cast(ops.floor(self.trim * ops.cast(batch_size, "float32")), "int32")
 
+    @takes_outer_rows
     def aggregate_variable(self, gradient):
         batch_size = ops.shape(gradient)[0]
         return selection.trimmed_mean(gradient, self._dropped(batch_size))

@@ -30,6 +30,7 @@ from pergrad.aggregators.base import (
     batch_sum,
     protocol_form,
     serializable,
+    takes_outer_rows,
     weighted_sum,
 )
 from pergrad.aggregators.basic import clip_factors
@@ -87,6 +88,7 @@ class MeaMed(CoordinateAggregator):
         super().__init__(**kwargs)
         self.byzantine = _check_fraction("meamed", "byzantine", byzantine)
 
+    @takes_outer_rows
     def aggregate_variable(self, gradient):
         batch_size = ops.shape(gradient)[0]
         return selection.meamed(gradient, batch_size - _count(self.byzantine, batch_size))

@@ -26,7 +26,7 @@ from keras import ops
 
 from pergrad import replicas
 from pergrad.aggregators.base import COORDINATE, ExampleStatistics
-from pergrad.backend import eager
+from pergrad.backend import adapter, eager
 from pergrad.engine import statistics
 from pergrad.layer_rules.dense import OuterRows, outer_rows
 
@@ -78,24 +78,14 @@ def _eager_pieces(variables, rows) -> int:
     return max(1, -(-rows * largest * 4 // EAGER_PIECE_BYTES))
 
 
-#: The rules whose ``aggregate_variable`` hands its rows straight to
-#: ``pergrad.aggregators.selection``'s median, trimmed mean or MeaMed, which take a
-#: ``Dense`` kernel's rows as factors (``OuterRows``) too. Named, not imported (the engine
-#: asks rules instead of importing them; a declaration of the rules' own would replace this).
-FACTOR_RULES = frozenset({
-    "pergrad.aggregators.basic.Median.aggregate_variable",
-    "pergrad.aggregators.basic.TrimmedMean.aggregate_variable",
-    "pergrad.aggregators.robust.MeaMed.aggregate_variable",
-})
-
-
 def _takes_factors(final) -> bool:
-    """Whether ``final`` gets a 2-D input's kernel rows as factors: one of
-    :data:`FACTOR_RULES` (a subclass that overrides ``aggregate_variable`` is not), on a
-    backend whose adapter selects over them (torch: ``outer_rank_sums``)."""
+    """Whether ``final`` gets a 2-D input's kernel rows as factors: its own
+    ``aggregate_variable`` says it takes them
+    (:func:`~pergrad.aggregators.base.takes_outer_rows`), on a backend whose adapter
+    selects over them (torch: ``outer_rank_sums``)."""
     method = getattr(type(final), "aggregate_variable", None)
-    name = f"{getattr(method, '__module__', '')}.{getattr(method, '__qualname__', '')}"
-    return name in FACTOR_RULES and getattr(adapter(), "outer_rank_sums", None) is not None
+    return (getattr(method, "takes_outer_rows", False)
+            and getattr(adapter(), "outer_rank_sums", None) is not None)
 
 
 def supports(aggregator) -> bool:
