@@ -583,26 +583,37 @@ def outer_rank_sums(a, d, lo, hi, block_bytes=1 << 20):
     q = d.shape[1]
     if d.shape[0] != batch:
         return None
+    total = np.empty((p, q), x.dtype)
+    nan = np.empty((p, q), bool)
+    accumulate = np.float32 if x.dtype == np.float16 else x.dtype
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, float16 overflow: as torch
+        for rows, columns, values in _outer_blocks(a, d, block_bytes):
+            values.sort(axis=1)
+            _ranks_into(values, lo, hi, total[rows, columns], nan[rows, columns], accumulate)
+    return torch.from_numpy(total), torch.from_numpy(nan)
+
+
+def _outer_blocks(a, d, block_bytes):
+    """``(row slice, column slice, values)`` for each block of the ``(p, q)`` coordinates of
+    the products ``a_i ⊗ d_i`` (``a``: ``(B, p)``, ``d``: ``(B, q)``): ``values`` the block's
+    ``(coordinates, B)`` NumPy view of a reused buffer of about ``block_bytes``, formed by
+    ``torch.mul`` straight into it (each coordinate's ``B`` values one contiguous row), valid
+    until the next block."""
+    batch, p = a.shape
+    q = d.shape[1]
     per_value = batch * a.element_size()
     columns = max(1, min(q, block_bytes // per_value))  # a block: rows x columns coordinates
     rows = max(1, min(p, block_bytes // (per_value * columns)))
     left = a.t().contiguous()  # (p, B): a block's rows broadcast against d's columns
     right = d.t().contiguous()  # (q, B)
     buffer = torch.empty((rows * columns * batch,), dtype=a.dtype)
-    total = np.empty((p, q), x.dtype)
-    nan = np.empty((p, q), bool)
-    accumulate = np.float32 if x.dtype == np.float16 else x.dtype
-    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, float16 overflow: as torch
-        for i in range(0, p, rows):
-            m = min(rows, p - i)
-            for j in range(0, q, columns):
-                n = min(columns, q - j)
-                block = buffer[: m * n * batch].view(m, n, batch)
-                torch.mul(left[i:i + m, None, :], right[None, j:j + n, :], out=block)
-                values = block.numpy().reshape(m * n, batch)  # a view
-                values.sort(axis=1)
-                _ranks_into(values, lo, hi, total[i:i + m, j:j + n], nan[i:i + m, j:j + n], accumulate)
-    return torch.from_numpy(total), torch.from_numpy(nan)
+    for i in range(0, p, rows):
+        m = min(rows, p - i)
+        for j in range(0, q, columns):
+            n = min(columns, q - j)
+            block = buffer[: m * n * batch].view(m, n, batch)
+            torch.mul(left[i:i + m, None, :], right[None, j:j + n, :], out=block)
+            yield slice(i, i + m), slice(j, j + n), block.numpy().reshape(m * n, batch)  # a view
 
 
 def _ranks_into(values, lo, hi, total, nan, accumulate):
@@ -629,21 +640,14 @@ def outer_meamed(a, d, kept, block_bytes=1 << 19):
     q = d.shape[1]
     if d.shape[0] != batch or not 0 < kept <= batch:
         return None
-    per_value = batch * a.element_size()
-    columns = max(1, min(q, block_bytes // per_value))
-    rows = max(1, min(p, block_bytes // (per_value * columns)))
-    left, right = a.t().contiguous(), d.t().contiguous()
-    formed = torch.empty((rows * columns * batch,), dtype=a.dtype)
-    buffers = [np.empty((rows * columns, batch), x.dtype) for _ in range(2)]
     out = np.empty((p, q), x.dtype)
+    buffers = None
     with np.errstate(invalid="ignore", over="ignore"):
-        for i in range(0, p, rows):
-            m = min(rows, p - i)
-            for j in range(0, q, columns):
-                n = min(columns, q - j)
-                block = formed[: m * n * batch].view(m, n, batch)
-                torch.mul(left[i:i + m, None, :], right[None, j:j + n, :], out=block)
-                values = block.numpy().reshape(m * n, batch)
-                ordered, distances = (b[: m * n] for b in buffers)
-                out[i:i + m, j:j + n] = _meamed_block(values, ordered, distances, kept).reshape(m, n)
+        for rows, columns, values in _outer_blocks(a, d, block_bytes):
+            if buffers is None:  # (the first block is the largest)
+                buffers = [np.empty(values.shape, x.dtype) for _ in range(2)]
+            count = values.shape[0]
+            ordered, distances = (b[:count] for b in buffers)
+            block = out[rows, columns]
+            block[...] = _meamed_block(values, ordered, distances, kept).reshape(block.shape)
     return torch.from_numpy(out)
