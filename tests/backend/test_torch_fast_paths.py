@@ -212,3 +212,70 @@ def test_statistics_helpers_in_raw_torch_match_the_keras_ops_ones(monkeypatch):
     assert float(fast[10]) == 2.0  # 2 and inf exceed 1 (NaN does not)
     clipped = np.sqrt(squared.numpy().sum(1)) > 1.0
     assert float(fast[-3]) == pytest.approx(clipped.mean())
+
+
+def test_token_squared_norms_match_the_token_pairs_formula(monkeypatch):
+    """The sorted-ids embedding norm against the token pairs' formula (the adapter function
+    removed) and the formed tables' closed form, with repeated ids within and across
+    examples, an id repeated at every position, and non-contiguous D."""
+    import torch
+    from keras import ops
+
+    from pergrad.backend import torch as adapter
+    from pergrad.layer_rules.embedding import EmbeddingRule
+
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 5, size=(6, 9)).astype(np.int32)
+    ids[3] = 2  # one id at every position
+    d = rng.standard_normal((6, 4, 9)).astype(np.float32).transpose(0, 2, 1)  # (6, 9, 4), strided
+    ids_t, d_t = torch.from_numpy(ids), torch.from_numpy(d)
+    assert not d_t.is_contiguous()
+    mine = adapter.token_squared_norms(ids_t, d_t).numpy()
+    tables = np.zeros((6, 5, 4), np.float64)
+    for b in range(6):
+        for t in range(9):
+            tables[b, ids[b, t]] += d[b, t]
+    np.testing.assert_allclose(mine, (tables ** 2).sum((1, 2)), rtol=1e-5)
+    layer = keras.layers.Embedding(5, 4)
+    rule = EmbeddingRule()
+    (fast,) = rule.squared_norms(layer, [], ids_t, d_t)
+    monkeypatch.delattr(adapter, "token_squared_norms")
+    (pairs,) = rule.squared_norms(layer, [], ids_t, d_t)
+    np.testing.assert_allclose(ops.convert_to_numpy(fast), ops.convert_to_numpy(pairs), rtol=1e-5)
+
+
+def test_outer_per_example_and_flattened_einsum_kernels_match_the_einsum(monkeypatch):
+    """``A_i^T D_i`` by one batched matmul (strided and mixed-dtype operands) and the
+    EinsumDense kernel gradients that reduce to it (the attention projections' equations)
+    against the einsum they replace; an equation that does not reduce keeps the einsum."""
+    import torch
+    from keras import ops
+
+    from pergrad.backend import torch as adapter
+    from pergrad.layer_rules import einsum_dense
+
+    rng = np.random.default_rng(6)
+    a = torch.from_numpy(rng.standard_normal((3, 6, 5)).astype(np.float32)).transpose(1, 2)  # (3, 5, 6)
+    d = torch.from_numpy(rng.standard_normal((3, 5, 4)).astype(np.float64))
+    np.testing.assert_allclose(adapter.outer_per_example(a, d).numpy(),
+                               np.einsum("bni,bno->bio", a.numpy(), d.numpy()), rtol=1e-6)
+    assert einsum_dense._positions("abc", "cde", "abde") == 2  # query/key/value
+    assert einsum_dense._positions("abcd", "cde", "abe") == 2  # the output projection
+    assert einsum_dense._positions("ab", "bc", "ac") == 1
+    assert einsum_dense._positions("abc", "dce", "abde") is None  # kernel axes out of order
+    assert einsum_dense._positions("abc", "ce", "ae") is None  # a position summed over
+    for equation, x_shape, output_shape in (("abc,cde->abde", (3, 5, 4), (3, 5, 2, 3)),
+                                            ("abcd,cde->abe", (3, 5, 2, 3), (3, 5, 4)),
+                                            ("ab,bc->ac", (3, 4), (3, 6)),
+                                            ("abc,dce->abde", (3, 5, 4), (3, 5, 2, 6))):
+        layer = keras.layers.EinsumDense(equation, output_shape[1:], bias_axes=None)
+        layer.build(x_shape)
+        x = ops.convert_to_tensor(rng.standard_normal(x_shape).astype(np.float32))
+        delta = ops.convert_to_tensor(rng.standard_normal(output_shape).astype(np.float32))
+        (fast,) = einsum_dense.EinsumDenseRule().per_example(layer, [], x, delta)
+        with monkeypatch.context() as patch:
+            patch.delattr(adapter, "outer_per_example")
+            (reference,) = einsum_dense.EinsumDenseRule().per_example(layer, [], x, delta)
+        assert tuple(fast.shape) == (3,) + tuple(layer.kernel.shape)
+        np.testing.assert_allclose(ops.convert_to_numpy(fast), ops.convert_to_numpy(reference),
+                                   rtol=1e-5, atol=1e-6)

@@ -359,3 +359,26 @@ def test_a_tied_table_whose_squared_norm_overflows_has_its_norm():
                            for g in pergrad.per_example_gradients(model, x, y)], axis=1)
     assert np.all(np.isfinite(rows)) and (rows[2] ** 2).sum() > np.finfo(np.float32).max
     np.testing.assert_allclose(oracle.to_numpy(stats.flat_norms), np.sqrt((rows ** 2).sum(axis=1)), rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")
+@pytest.mark.parametrize("options, shape", [
+    ({}, (3, 4, 6)), ({"epsilon": 0.5}, (3, 6)), ({"axis": [1, 2]}, (3, 4, 6)),
+    ({"rms_scaling": True}, (3, 4, 6)), ({"center": False}, (3, 6)), ({"scale": False}, (3, 4, 6)),
+])
+def test_layer_normalization_rule_normalizes_as_the_layer_call_does(options, shape):
+    """``n(x)``, without the layer call, is the layer's output at gamma one and beta zero."""
+    from pergrad.layer_rules.normalization import LayerNormalizationRule, NormalizationRule
+
+    layer = layers.LayerNormalization(**options)
+    layer.build(shape)
+    rng = np.random.default_rng(1)
+    x = ops.convert_to_tensor((3.0 * rng.standard_normal(shape) + 1.0).astype(np.float32))
+    scale, offset = getattr(layer, "gamma", None), getattr(layer, "beta", None)
+    for v in (scale, offset):  # (values that would show if they were not replaced)
+        if v is not None:
+            v.assign(rng.standard_normal(v.shape).astype(np.float32))
+    mine = LayerNormalizationRule().normalized(layer, x, scale, offset)
+    layer_call = NormalizationRule().normalized(layer, x, scale, offset)
+    np.testing.assert_allclose(ops.convert_to_numpy(mine), ops.convert_to_numpy(layer_call),
+                               rtol=1e-6, atol=1e-6)

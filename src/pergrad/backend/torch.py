@@ -294,6 +294,30 @@ def example_weighted_sum(gradients, weights):
     return torch.tensordot(weights.to(dtype), gradients.to(dtype), dims=1)
 
 
+def outer_per_example(a, d):
+    """``(B, d_in, d_out)``: every example's ``A_i^T D_i`` of ``(B, n, d_in)`` and ``(B, n,
+    d_out)``, one batched matmul of the transposed view (``torch.einsum`` copies an operand
+    first: ~30% slower at n = 64)."""
+    dtype = torch.promote_types(a.dtype, d.dtype)
+    return torch.bmm(a.transpose(1, 2).to(dtype), d.to(dtype))
+
+
+def token_squared_norms(ids, d):
+    """``(B,)``: an embedding's ``||g_i||^2``, ``(B, T)`` ids and ``(B, T, d)`` output
+    gradients: over each example's distinct ids, the squared norm of the sum of their ``D``
+    rows. The ids sorted per example give each position its group, one ``index_add_`` the
+    groups' sums: ``B T d`` adds, where the token pairs' formula costs ``B T^2 d``."""
+    batch, positions = ids.shape
+    ordered, order = torch.sort(ids, dim=1)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    offsets = torch.arange(batch, device=ids.device)[:, None] * positions
+    groups = torch.empty_like(order).scatter_(1, order, torch.cumsum(first, dim=1) - 1 + offsets)
+    width = d.shape[-1]
+    sums = d.new_zeros((batch * positions, width)).index_add_(0, groups.reshape(-1), d.reshape(-1, width))
+    return row_squared_norms_2d(sums).reshape(batch, positions).sum(dim=1)
+
+
 def outer_squared_norms_2d(inputs, delta):
     """``(B,)``: ``||a_i d_i^T||^2 = ||a_i||^2 ||d_i||^2``."""
     return row_squared_norms_2d(inputs) * row_squared_norms_2d(delta)

@@ -16,9 +16,12 @@ formula with output gradient ``s D B^T``, and ``B``'s that of a Dense layer on
 
 from __future__ import annotations
 
+import math
+
 import keras
 from keras import ops
 
+from pergrad.backend import adapter
 from pergrad.layer_rules.base import LayerRule, PreActivationRule, reduce_to, register_rule
 from pergrad.layer_rules.dense import lora_scale, outer_per_example, variable_value
 
@@ -39,6 +42,17 @@ def _specs(equation: str):
         and set(kernel) <= set(x) | set(output)
     )
     return (x, kernel, output) if plain else None
+
+
+def _positions(x, kernel, output):
+    """``p`` where the input is ``x[:p] X`` and the output ``x[:p] Y`` (the batch and the
+    positions), and the kernel ``X Y``: example i's kernel gradient is then Dense's
+    ``A_i^T D_i`` of the axes ``X`` and ``Y`` flattened (the attention projections);
+    else ``None``."""
+    p = 0
+    while p < min(len(x), len(output)) and x[p] == output[p]:
+        p += 1
+    return p if kernel == x[p:] + output[p:] and p < len(x) and p < len(output) else None
 
 
 def _lora_specs(layer):
@@ -63,9 +77,17 @@ class EinsumDenseRule(PreActivationRule):
             return super().per_example(layer, values, inputs, delta)
         x, kernel, output = specs
         variables = self.variables(layer)
+        fast = getattr(adapter(), "outer_per_example", None)
+        shared = None if fast is None else _positions(x, kernel, output)
 
         def kernel_gradient(d):
-            return ops.einsum(f"{x},{output}->{x[0]}{kernel}", inputs, d)
+            if shared is None:
+                return ops.einsum(f"{x},{output}->{x[0]}{kernel}", inputs, d)
+            # (torch: the Dense formula of the flattened axes, one batched matmul)
+            batch = ops.shape(d)[0]
+            rows = outer_per_example(ops.reshape(inputs, (batch, -1, math.prod(inputs.shape[shared:]))),
+                                     ops.reshape(d, (batch, -1, math.prod(d.shape[shared:]))))
+            return ops.reshape(rows, (batch,) + tuple(inputs.shape[shared:]) + tuple(d.shape[shared:]))
 
         grads = []
         for v in variables:

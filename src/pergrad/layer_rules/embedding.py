@@ -118,6 +118,9 @@ class EmbeddingRule(OutputRule):
 
     def squared_norms(self, layer, values, inputs, delta) -> list:
         ids, d = _flat(inputs, delta)
+        fast = getattr(adapter(), "token_squared_norms", None)
+        if fast is not None:  # (torch: each example's ids sorted, B T d adds)
+            return [fast(ids, d)]
         same = ops.cast(ops.equal(ids[:, :, None], ids[:, None, :]), d.dtype)
         return [ops.sum(same * ops.einsum("bto,bso->bts", d, d), axis=(1, 2))]
 

@@ -18,6 +18,7 @@ import keras
 from keras import ops
 
 from pergrad.layer_rules.base import OutputRule, layer_context, reduce_to, register_rule
+from pergrad.tensors import dtype_name
 
 
 class NormalizationRule(OutputRule):
@@ -34,18 +35,40 @@ class NormalizationRule(OutputRule):
         offset = getattr(layer, self.offset, None) if self.offset else None
         if not trailing or any(v is not scale and v is not offset for v in variables):
             return super().per_example(layer, values, inputs, delta)
-        unit = [(v, ops.full(v.shape, self.unit, v.dtype)) for v in (scale,) if v is not None]
-        unit += [(v, ops.zeros(v.shape, v.dtype)) for v in (offset,) if v is not None]
-        # (normalization layers read their own variables only)
-        with keras.StatelessScope(state_mapping=layer_context(layer) + unit):
-            normalized = ops.cast(layer(inputs), "float32")
+        normalized = ops.cast(self.normalized(layer, inputs, scale, offset), "float32")
         return [
             reduce_to(normalized * delta if v is scale else delta, tuple(v.shape)) for v in variables
         ]
 
+    def normalized(self, layer, inputs, scale, offset):
+        """``n(x)``: the layer's own call with ``m`` one and the offset zero."""
+        unit = [(v, ops.full(v.shape, self.unit, v.dtype)) for v in (scale,) if v is not None]
+        unit += [(v, ops.zeros(v.shape, v.dtype)) for v in (offset,) if v is not None]
+        # (normalization layers read their own variables only)
+        with keras.StatelessScope(state_mapping=layer_context(layer) + unit):
+            return layer(inputs)
 
-for _cls in (keras.layers.LayerNormalization, keras.layers.GroupNormalization):
-    register_rule(_cls)(NormalizationRule)
+
+register_rule(keras.layers.GroupNormalization)(NormalizationRule)
+
+
+@register_rule(keras.layers.LayerNormalization)
+class LayerNormalizationRule(NormalizationRule):
+    def normalized(self, layer, inputs, scale, offset):
+        if "layer_normalization" not in type(layer).call.__code__.co_names:
+            # (Keras before 3.11 or so writes the arithmetic out in the layer's call)
+            return super().normalized(layer, inputs, scale, offset)
+        # The layer's call is ops.layer_normalization of its compute-dtype input: here
+        # without gamma and beta (the same values as at one and zero), without the layer
+        # call and its scope (half of a 1 ms recompute on torch at B = 64, T = 64).
+        return ops.layer_normalization(
+            _cast(inputs, layer.compute_dtype), None, None, axis=layer.axis, epsilon=layer.epsilon,
+            rms_scaling=layer.rms_scaling,
+        )
+
+
+def _cast(tensor, dtype):
+    return tensor if dtype_name(tensor.dtype) == dtype_name(dtype) else ops.cast(tensor, dtype)
 
 
 @register_rule(keras.layers.RMSNormalization)
