@@ -259,3 +259,23 @@ def test_compiled_unreduced_loss_trains_like_the_mean_reduction():
     oracle.assert_weights_close(inner, plain)
     for key, values in expected.history.items():
         np.testing.assert_allclose(history.history[key], values, rtol=1e-5, err_msg=key)
+
+
+def test_variable_lists_are_read_once_within_a_step_and_again_after_it():
+    """``compat.one_read_per_step`` (a training step's reads of the variable lists): one walk
+    of the layers inside it, a fresh one at every call outside it, its own per model."""
+    from pergrad import compat
+
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4)])
+    with compat.one_read_per_step():
+        first = compat.trainable_variables(model)
+        assert len(first) == 4 and len(compat.trainable_variables(other)) == 2
+        model.layers[0].trainable = False  # (no step does this: shows the one read)
+        assert compat.trainable_variables(model) == first
+        assert len(compat.non_trainable_variables(model)) == 2  # its first read: after the change
+        compat.trainable_variables(model).pop()  # each caller gets its own list
+        assert compat.trainable_variables(model) == first
+    assert compat.trainable_variables(model) == model.layers[1].trainable_variables
+    model.layers[0].trainable = True
+    assert len(compat.trainable_variables(model)) == 4 and compat.non_trainable_variables(model) == []

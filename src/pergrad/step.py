@@ -150,7 +150,7 @@ def replica_plan(wrapper, x) -> ReplicaPlan:
     on several replicas each aggregates its shard, scaled by its share of the batch
     unless the rule sums, or the rule runs on the whole batch, gathered."""
     aggregator = wrapper.aggregator
-    scale = loss_scale(wrapper.optimizer, wrapper.model.trainable_variables)
+    scale = loss_scale(wrapper.optimizer, compat.trainable_variables(wrapper.model))
     several = replicas.count(wrapper) > 1
     gathered = several and aggregator.distribution == WHOLE_BATCH
     divides = several and aggregator.distribution == LOCAL_MEAN
@@ -265,7 +265,7 @@ def post_process(wrapper, problem, plan: ReplicaPlan, result, per_example, aux, 
     rules), scaled to this replica's share, plus the regularizers' gradient (once over
     the replicas) and times the loss scale."""
     aggregator = wrapper.aggregator
-    result = check_result(result, wrapper.model.trainable_variables, aggregator.name)
+    result = check_result(result, compat.trainable_variables(wrapper.model), aggregator.name)
     scale = plan.loss_scale
     if scale is not None and plan.several:
         result = replicas.finite_everywhere(result)

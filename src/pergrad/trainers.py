@@ -110,15 +110,19 @@ class StatefulTrainStep(_StepLimit):
     """TensorFlow and torch: ``train_step(data)`` that assigns the variables."""
 
     def train_step(self, data):
+        with compat.one_read_per_step():  # (eager torch: a dozen reads of each list a step)
+            return self._train_step(data)
+
+    def _train_step(self, data):
         # Also here for custom loops (a replica context of `strategy.run`).
         self._check_single_replica()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, units = split_units(x)  # the ids reach the rule only
         x = self._check_batch(x, y)
         allowed = self._update_allowed()
-        variables = self.model.non_trainable_variables
+        variables = compat.non_trainable_variables(self.model)
         grads, y_pred, seeds, loss = self._aggregated_gradients(
-            [v.value for v in self.model.trainable_variables],
+            [v.value for v in compat.trainable_variables(self.model)],
             [v.value for v in variables],
             x,
             y,
@@ -145,7 +149,7 @@ class StatefulTrainStep(_StepLimit):
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _apply(self, grads, allowed):
-        variables = self.model.trainable_variables
+        variables = compat.trainable_variables(self.model)
         if allowed is None:
             self.optimizer.apply(grads, variables)
             return

@@ -113,7 +113,7 @@ def _example(batched, position=0):
 def make_plan(problem, trainable_values, batched, shared) -> Plan:
     """The dry run: one example's loss, every layer call recorded. Raises :class:`Unsupported`."""
     model = problem.model
-    trainable_ids = {id(v): v for v in model.trainable_variables}
+    trainable_ids = {id(v): v for v in compat.trainable_variables(model)}
     records, stack, root_reads = [], [], []
 
     def owner():
@@ -262,7 +262,7 @@ def cached_plan(problem, trainable_values, batched, shared) -> Plan:
         return make_plan(problem, trainable_values, batched, shared)
     model = problem.model
     key = (
-        tuple(id(v) for v in model.trainable_variables),
+        tuple(id(v) for v in compat.trainable_variables(model)),
         tuple((tuple(t.shape[1:]), str(t.dtype)) for t in tree.flatten(batched)),
     )
     cache = problem.plans

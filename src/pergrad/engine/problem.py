@@ -140,7 +140,7 @@ def check_model(model, training: bool = True) -> None:
             f"Model {model.name!r} is not built yet: call it on a batch or build it "
             "before asking for per-example gradients."
         )
-    if not model.trainable_variables:
+    if not compat.trainable_variables(model):
         raise ValueError(
             f"Model {model.name!r} has no trainable variables, so it has no "
             "per-example gradients."
@@ -226,14 +226,14 @@ class PerExampleProblem:
 
         Derived on every use: freezing or unfreezing a layer moves them.
         """
-        return [i for i, v in enumerate(self.model.non_trainable_variables) if _is_seed_state(v)]
+        return [i for i, v in enumerate(compat.non_trainable_variables(self.model)) if _is_seed_state(v)]
 
     # -- the single-example loss -------------------------------------------------
 
     def _forward(self, trainable_values, non_trainable_values, x, collect_losses=False):
         model = self.model
-        mapping = list(zip(model.trainable_variables, trainable_values)) + list(
-            zip(model.non_trainable_variables, non_trainable_values)
+        mapping = list(zip(compat.trainable_variables(model), trainable_values)) + list(
+            zip(compat.non_trainable_variables(model), non_trainable_values)
         )
         with keras.StatelessScope(state_mapping=mapping, collect_losses=collect_losses) as scope:
             y_pred = model(x, training=self.training)
@@ -255,7 +255,7 @@ class PerExampleProblem:
         aux = {
             "loss": loss,
             "y_pred": tree.map_structure(lambda t: ops.squeeze(t, 0), y_pred),
-            "seeds": [scope.get_current_value(self.model.non_trainable_variables[p])
+            "seeds": [scope.get_current_value(compat.non_trainable_variables(self.model)[p])
                       for p in self.seed_positions],
         }
         if masks:
@@ -445,7 +445,7 @@ class PerExampleProblem:
 
     def regularization(self, trainable_values):
         """Value and gradient of the weight regularizers (batch-level, data-free)."""
-        variables = self.model.trainable_variables
+        variables = compat.trainable_variables(self.model)
         if not any(getattr(v, "regularizer", None) is not None for v in variables):
             return None, None
 

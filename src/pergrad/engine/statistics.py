@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from keras import ops
 
-from pergrad import replicas
+from pergrad import compat, replicas
 from pergrad.aggregators.base import LOCAL_SUM, ExampleStatistics
 from pergrad.backend import adapter
 from pergrad.engine.capture import capture, grad_with_aux, has_convolutions, weighted_losses
@@ -122,7 +122,7 @@ def _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, b
     if aggregator.distribution == LOCAL_SUM:  # weights 1, not 1 / B
         size = ops.cast(batch_size, "float32")
         factor = size if factor is None else factor * size
-    variables = problem.model.trainable_variables
+    variables = compat.trainable_variables(problem.model)
     if factor is not None:
         result = [g * ops.cast(factor, g.dtype) for g in result]
     if layers_plan is not None:  # mean_i g_i, which the diagnostics read
@@ -156,9 +156,9 @@ def layers_of(problem, trainable_values, batched, shared, batch_size, inverse):
 
 def _layers(problem, plan, captured, deltas, trainable_values, non_trainable, inverse, whole_batch):
     model = problem.model
-    context = (list(zip(model.non_trainable_variables, non_trainable))
-               + list(zip(model.trainable_variables, trainable_values)))
-    return Layers(plan, captured, deltas, list(trainable_values), model.trainable_variables, inverse,
+    context = (list(zip(compat.non_trainable_variables(model), non_trainable))
+               + list(zip(compat.trainable_variables(model), trainable_values)))
+    return Layers(plan, captured, deltas, list(trainable_values), compat.trainable_variables(model), inverse,
                   whole_batch, context)
 
 
@@ -201,7 +201,7 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     batched, batch_size, non_trainable, shared, inverse = prepare(
         problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale
     )
-    variables = problem.model.trainable_variables
+    variables = compat.trainable_variables(problem.model)
     # Every example weighs the same (reads_statistics): Keras's own batch gradient.
     if not aggregator.reads_statistics and not _draws_random(problem, trainable_values, batched, shared):
         plan = _whole_batch_plan(problem, trainable_values, batched, shared) if keep_layers else None
