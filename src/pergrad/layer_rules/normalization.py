@@ -56,7 +56,7 @@ register_rule(keras.layers.GroupNormalization)(NormalizationRule)
 class LayerNormalizationRule(NormalizationRule):
     def normalized(self, layer, inputs, scale, offset):
         if "layer_normalization" not in type(layer).call.__code__.co_names:
-            # (Keras before 3.11 or so writes the arithmetic out in the layer's call)
+            # (Keras 3.10 writes the arithmetic out in the layer's call; 3.15 calls the op)
             return super().normalized(layer, inputs, scale, offset)
         # The layer's call is ops.layer_normalization of its compute-dtype input: here
         # without gamma and beta (the same values as at one and zero), without the layer
