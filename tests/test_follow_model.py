@@ -279,3 +279,24 @@ def test_variable_lists_are_read_once_within_a_step_and_again_after_it():
     assert compat.trainable_variables(model) == model.layers[1].trainable_variables
     model.layers[0].trainable = True
     assert len(compat.trainable_variables(model)) == 4 and compat.non_trainable_variables(model) == []
+
+
+def test_the_model_check_runs_once_within_a_step_and_at_every_call_after_it():
+    """``check_model`` inside ``compat.one_read_per_step``: its first call checks (and
+    raises); later ones in the same step reuse the answer; outside, each call checks."""
+    from pergrad import compat
+    from pergrad.engine.problem import check_model
+
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    model.layers[1].trainable = False
+    with compat.one_read_per_step():
+        check_model(model)
+        model.layers[1].trainable = True  # (no step does this: shows the one check)
+        check_model(model)
+    with pytest.raises(ValueError, match="BatchNormalization"):
+        check_model(model)
+    with compat.one_read_per_step():  # a failed check is not remembered
+        for _ in range(2):
+            with pytest.raises(ValueError, match="BatchNormalization"):
+                check_model(model)

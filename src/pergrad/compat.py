@@ -102,14 +102,20 @@ def one_read_per_step():
         _STEP_READS.reset(token)
 
 
-def _read_once(model, name: str) -> list:
+def once_per_step(owner, name: str, compute):
+    """``compute()``, computed once per ``(owner, name)`` within :func:`one_read_per_step`
+    (for what nothing inside a step can change); outside it, every call computes it."""
     reads = _STEP_READS.get()
     if reads is None:
-        return getattr(model, name)
-    key = (id(model), name)
+        return compute()
+    key = (id(owner), name)
     if key not in reads:
-        reads[key] = (model, getattr(model, name))  # (the model held: its id stays its own)
-    return list(reads[key][1])
+        reads[key] = (owner, compute())  # (the owner held: its id stays its own)
+    return reads[key][1]
+
+
+def _read_once(model, name: str) -> list:
+    return list(once_per_step(model, name, lambda: getattr(model, name)))
 
 
 def trainable_variables(model) -> list:

@@ -33,12 +33,17 @@ def is_float(value) -> bool:
     return hasattr(value, "shape") and "float" in dtype_name(value.dtype)
 
 
+def cast(tensor, dtype):
+    """``tensor`` in ``dtype``, without an op where it already is (each op costs on torch)."""
+    if dtype_name(tensor.dtype) == dtype_name(dtype):
+        return tensor
+    return ops.cast(tensor, dtype)
+
+
 def as_float32(tensor):
     """Float tensors in float32 (the statistics' dtype), without an op where they are
     already; integer ones (token ids) as they are."""
-    if not is_float(tensor) or dtype_name(tensor.dtype) == "float32":
-        return tensor
-    return ops.cast(tensor, "float32")
+    return cast(tensor, "float32") if is_float(tensor) else tensor
 
 
 def gram_block(rows, split=None):
@@ -58,8 +63,8 @@ def batch_size_of(tensor):
 def example_rows(tensor, dtype=None):
     """``(B, ...) -> (B, size)``: example i's entries as row i (cast to ``dtype`` when given).
     No op where the tensor already is (each costs on an eager backend)."""
-    if dtype is not None and dtype_name(tensor.dtype) != dtype_name(dtype):
-        tensor = ops.cast(tensor, dtype)
+    if dtype is not None:
+        tensor = cast(tensor, dtype)
     if len(tensor.shape) == 2:
         return tensor
     return ops.reshape(tensor, (batch_size_of(tensor), -1))

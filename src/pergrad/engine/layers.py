@@ -33,16 +33,9 @@ from pergrad.layer_rules.base import (
     per_example_vjp,
     variable_values,
 )
-from pergrad.tensors import as_float32, dtype_name, example_rows, gram_block, is_float
+from pergrad.tensors import as_float32, cast, example_rows, gram_block, is_float
 
 _IDENTITY = RowMap()
-
-
-def _cast(tensor, dtype):
-    """``tensor`` in ``dtype``, without an op where it already is (each op costs on torch)."""
-    if dtype_name(tensor.dtype) == dtype_name(dtype):
-        return tensor
-    return ops.cast(tensor, dtype)
 
 
 def _scaled_factors(parts):
@@ -423,6 +416,6 @@ class Layers:
                     part = ops.reshape(part, v.shape)
                 out[k] = part if out[k] is None else out[k] + part
         return [
-            ops.zeros(v.shape, v.dtype) if s is None else _cast(s, v.dtype)
+            ops.zeros(v.shape, v.dtype) if s is None else cast(s, v.dtype)
             for s, v in zip(out, variables)
         ]

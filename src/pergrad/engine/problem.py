@@ -133,8 +133,12 @@ def check_model(model, training: bool = True) -> None:
     """Raises a clear error for models whose per-example gradients are undefined.
 
     Cheap (a walk over the layers): run on every use, since the user may change
-    ``trainable`` flags at any time.
+    ``trainable`` flags at any time (once a training step: :func:`compat.one_read_per_step`).
     """
+    compat.once_per_step(model, f"check_model/{training}", lambda: _check_model(model, training))
+
+
+def _check_model(model, training: bool) -> bool:
     if not model.built:
         raise ValueError(
             f"Model {model.name!r} is not built yet: call it on a batch or build it "
@@ -157,6 +161,7 @@ def check_model(model, training: bool = True) -> None:
                 "LayerNormalization or GroupNormalization instead, or freeze the "
                 "layer (layer.trainable = False runs it in inference mode)."
             )
+    return True
 
 
 _is_seed_state = compat.is_seed_state

@@ -156,10 +156,10 @@ def layers_of(problem, trainable_values, batched, shared, batch_size, inverse):
 
 def _layers(problem, plan, captured, deltas, trainable_values, non_trainable, inverse, whole_batch):
     model = problem.model
+    trainable = compat.trainable_variables(model)
     context = (list(zip(compat.non_trainable_variables(model), non_trainable))
-               + list(zip(compat.trainable_variables(model), trainable_values)))
-    return Layers(plan, captured, deltas, list(trainable_values), compat.trainable_variables(model), inverse,
-                  whole_batch, context)
+               + list(zip(trainable, trainable_values)))
+    return Layers(plan, captured, deltas, list(trainable_values), trainable, inverse, whole_batch, context)
 
 
 def prepare(problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale):

@@ -46,7 +46,7 @@ from pergrad.layer_rules.dense import (
     outer_weighted_sum,
     sequence_positions,
 )
-from pergrad.tensors import batch_size_of, dtype_name
+from pergrad.tensors import batch_size_of, cast
 
 
 def _segment_sum(rows, ids, count):
@@ -67,7 +67,7 @@ def _token_pairs(ids, d, other_ids, other_d):
 def _flat(inputs, delta):
     # (no op where the ids and D already are so: each costs on torch)
     batch = batch_size_of(delta)
-    ids = inputs if dtype_name(inputs.dtype) == "int32" else ops.cast(inputs, "int32")
+    ids = cast(inputs, "int32")
     if len(ids.shape) != 2:
         ids = ops.reshape(ids, (batch, -1))
     if len(delta.shape) != 3:

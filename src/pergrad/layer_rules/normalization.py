@@ -18,7 +18,7 @@ import keras
 from keras import ops
 
 from pergrad.layer_rules.base import OutputRule, layer_context, reduce_to, register_rule
-from pergrad.tensors import dtype_name
+from pergrad.tensors import cast
 
 
 class NormalizationRule(OutputRule):
@@ -62,13 +62,9 @@ class LayerNormalizationRule(NormalizationRule):
         # without gamma and beta (the same values as at one and zero), without the layer
         # call and its scope (half of a 1 ms recompute on torch at B = 64, T = 64).
         return ops.layer_normalization(
-            _cast(inputs, layer.compute_dtype), None, None, axis=layer.axis, epsilon=layer.epsilon,
+            cast(inputs, layer.compute_dtype), None, None, axis=layer.axis, epsilon=layer.epsilon,
             rms_scaling=layer.rms_scaling,
         )
-
-
-def _cast(tensor, dtype):
-    return tensor if dtype_name(tensor.dtype) == dtype_name(dtype) else ops.cast(tensor, dtype)
 
 
 @register_rule(keras.layers.RMSNormalization)
