@@ -318,11 +318,6 @@ def token_squared_norms(ids, d):
     return row_squared_norms_2d(sums).reshape(batch, positions).sum(dim=1)
 
 
-def outer_squared_norms_2d(inputs, delta):
-    """``(B,)``: ``||a_i d_i^T||^2 = ||a_i||^2 ||d_i||^2``."""
-    return row_squared_norms_2d(inputs) * row_squared_norms_2d(delta)
-
-
 def outer_weighted_sum_2d(inputs, delta, weights):
     """``(d_in, d_out)``: ``sum_i w_i a_i d_i^T = A^T diag(w) D``."""
     return torch.matmul(inputs.transpose(0, 1), delta * weights[:, None])

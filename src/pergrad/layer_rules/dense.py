@@ -161,10 +161,7 @@ def _eager(name):
 def outer_squared_norms(inputs, delta):
     """``(B,)``: ``||A_i^T D_i||^2`` by the ghost formula."""
     if len(inputs.shape) == 2:  # the common case, without reshapes (each op costs on torch)
-        fast = _eager("outer_squared_norms_2d")
-        if fast is not None:
-            return fast(inputs, delta)
-        return ops.sum(ops.square(inputs), axis=1) * ops.sum(ops.square(delta), axis=1)
+        return _row_squared_norms(inputs) * _row_squared_norms(delta)
     a, d = _flat(inputs, delta)
     if a.shape[1] == 1:
         return ops.sum(ops.square(a[:, 0]), axis=1) * ops.sum(ops.square(d[:, 0]), axis=1)
@@ -184,10 +181,15 @@ def outer_weighted_sum(inputs, delta, weights):
     return ops.matmul(ops.transpose(rows), ops.reshape(d, (-1, ops.shape(d)[-1])))
 
 
+def _row_squared_norms(rows):
+    """``(B,)``: each row's squared norm of a ``(B, n)`` tensor."""
+    fast = _eager("row_squared_norms_2d")
+    return ops.sum(ops.square(rows), axis=1) if fast is None else fast(rows)
+
+
 def _bias_squared_norms(delta):
     if len(delta.shape) == 2:
-        fast = _eager("row_squared_norms_2d")
-        return ops.sum(ops.square(delta), axis=1) if fast is None else fast(delta)
+        return _row_squared_norms(delta)
     _, d = _flat(delta, delta)
     return ops.sum(ops.square(ops.sum(d, axis=1)), axis=1)
 
@@ -348,8 +350,19 @@ class DenseRule(PreActivationRule):
                     yield m, value
 
     def squared_norms(self, layer, values, inputs, delta) -> list:
-        return [_bias_squared_norms(d) if a is None else outer_squared_norms(a, d)
-                for a, d in self._pieces(layer, values, inputs, delta)]
+        pieces = self._pieces(layer, values, inputs, delta)
+        if len(inputs.shape) != 2:
+            return [_bias_squared_norms(d) if a is None else outer_squared_norms(a, d) for a, d in pieces]
+        # One position per example: ||a_i||^2 ||d_i||^2 and the bias's ||d_i||^2, each row
+        # factor's norms computed once (the kernel and the bias share D's).
+        norms = {}
+
+        def of(rows):
+            if id(rows) not in norms:
+                norms[id(rows)] = _row_squared_norms(rows)
+            return norms[id(rows)]
+
+        return [of(d) if a is None else of(a) * of(d) for a, d in pieces]
 
     def gram(self, layer, values, inputs, delta):
         if len(inputs.shape) != 2 and sequence_positions(inputs) != 1:
