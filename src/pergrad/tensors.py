@@ -40,6 +40,13 @@ def cast(tensor, dtype):
     return ops.cast(tensor, dtype)
 
 
+def float_count(count):
+    """A count (a batch size: a Python int where the shape is static, else a tensor) for
+    float32 arithmetic: a Python float where static (no op, exact below 2**24; each op
+    costs on an eager backend), else the count cast to float32."""
+    return float(count) if isinstance(count, int) else ops.cast(count, "float32")
+
+
 def as_float32(tensor):
     """Float tensors in float32 (the statistics' dtype), without an op where they are
     already; integer ones (token ids) as they are."""

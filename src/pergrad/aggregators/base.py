@@ -63,7 +63,7 @@ from pergrad.aggregators.statistics import (
     squared_norms_of_rows,
     stack_columns,
 )
-from pergrad.tensors import is_float
+from pergrad.tensors import cast, float_count, is_float
 
 __all__ = [
     "ARBITRARY",
@@ -327,7 +327,7 @@ class Aggregator(keras.layers.Layer):
             reports.update({name: (sums[2 * k], sums[2 * k + 1]) for k, name in enumerate(counted)})
         def mean(value, count):
             if isinstance(count, int):  # (static: no maximum op)
-                return ops.cast(value, "float32") / float(max(count, 1))
+                return cast(value, "float32") / float(max(count, 1))
             return value / ops.maximum(ops.cast(count, "float32"), 1.0)
 
         return {name: value if count is None else mean(value, count)
@@ -471,7 +471,7 @@ class ScaledMean(RowMapStep, WeightedAggregator):
         raise NotImplementedError
 
     def example_weights(self, stats: ExampleStatistics):
-        return self.example_scales(stats) / ops.cast(stats.batch_size, "float32")
+        return self.example_scales(stats) / float_count(stats.batch_size)
 
     map_reads_statistics = True
 

@@ -14,7 +14,7 @@ from keras import ops, tree
 from pergrad import compat
 from pergrad.backend import NotVectorizable, adapter
 from pergrad.engine.plan import Interceptor, Unsupported, is_tensor
-from pergrad.tensors import is_float
+from pergrad.tensors import cast, float_count, is_float
 
 
 def capture(problem, plan, trainable_values, batched, shared, batch_size, loss_scale=None,
@@ -144,7 +144,7 @@ def _capture_marked(plan, batch_pass, trainable_values, shared, batch_size, loss
     """:func:`capture`'s result with every call's ``D`` the gradient with respect to its
     output (torch's ``grad_with_aux_at_outputs``): the probes' backward pass (a probe adds
     zeros and passes its output gradient on), and the same values and scales."""
-    factor = ops.cast(batch_size, "float32")
+    factor = float_count(batch_size)
 
     def total(params):
         marked = {}
@@ -152,10 +152,10 @@ def _capture_marked(plan, batch_pass, trainable_values, shared, batch_size, loss
         outputs = [marked.get(position) for position in range(len(plan.calls))]
         if with_variables:  # the batch loss times loss_scale (Keras's own gradient)
             scaled = loss if loss_scale is None else loss * ops.cast(loss_scale, loss.dtype)
-            return ops.cast(scaled, "float32"), aux, outputs
+            return cast(scaled, "float32"), aux, outputs
         scaled = factor if shared.get("loss_scale") is None else (
             factor * ops.cast(shared["loss_scale"], "float32"))
-        return ops.cast(loss, "float32") * scaled, aux, outputs
+        return cast(loss, "float32") * scaled, aux, outputs
 
     gradients, deltas, aux = adapter().grad_with_aux_at_outputs(total, list(trainable_values),
                                                                 with_variables)
