@@ -250,6 +250,37 @@ def test_clip_diagnostic_is_logged():
     np.testing.assert_allclose(history.history["clipped_fraction"], [1.0])
 
 
+def test_metric_updates_give_keras_mean_values():
+    """The train step's metric updates (``update_mean``: in place on eager torch) and the
+    diagnostics' ``StepMean`` give Keras's ``Mean`` totals, counts and results, the same
+    bits; in a ``StatelessScope`` the update goes to the scope, as Keras's."""
+    from pergrad.trainers import StepMean, update_mean
+
+    values = [1.5, float("nan"), 3.25, float("inf"), -2.0, 0.1]
+    for weights in ([None] * 6, [64, 3, 1, 0.5, 2, 7]):
+        ours, keras_mean = StepMean(name="ours"), keras.metrics.Mean(name="keras")
+        np.testing.assert_array_equal(ops.convert_to_numpy(ours.result()), 0.0)
+        for k, (value, weight) in enumerate(zip(values, weights)):
+            if k == 1:  # a NaN from the first steps on: both NaN; the others before it
+                ours_before = ops.convert_to_numpy(ours.result())
+                np.testing.assert_array_equal(ours_before, ops.convert_to_numpy(keras_mean.result()))
+            tensor = ops.convert_to_tensor(value, "float32")
+            update_mean(ours, tensor, sample_weight=weight)
+            keras_mean.update_state(tensor, sample_weight=weight)
+        for a, b in ((ours.total, keras_mean.total), (ours.count, keras_mean.count)):
+            np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
+        np.testing.assert_array_equal(ops.convert_to_numpy(ours.result()),
+                                      ops.convert_to_numpy(keras_mean.result()))
+    finite = StepMean(name="finite")
+    for value in (0.25, 0.5, 1.0):
+        update_mean(finite, ops.convert_to_tensor(value, "float32"))
+    np.testing.assert_allclose(ops.convert_to_numpy(finite.result()), 1.75 / 3, rtol=1e-7)
+    with keras.StatelessScope() as scope:
+        update_mean(finite, ops.convert_to_tensor(10.0, "float32"), sample_weight=2)
+    assert float(ops.convert_to_numpy(finite.count)) == 3.0  # the variables are untouched
+    np.testing.assert_allclose(ops.convert_to_numpy(scope.get_current_value(finite.count)), 5.0)
+
+
 # --- dropout through fit -----------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ import contextvars
 import threading
 
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 
 
 def get_mask(tensor):
@@ -25,6 +26,12 @@ def get_mask(tensor):
 def set_mask(tensor, mask):
     """``keras.src...masking.set_keras_mask``: gives the step's predictions the mask the forward pass had."""
     set_keras_mask(tensor, mask)
+
+
+def in_stateless_scope() -> bool:
+    """``keras.src...stateless_scope.in_stateless_scope``: whether variable updates go to a
+    ``StatelessScope`` (and must, not to the variables themselves)."""
+    return _in_stateless_scope()
 
 
 def make_compile_loss(loss, loss_weights, output_names):

@@ -94,7 +94,7 @@ class PerExampleModel(_TrainStep, keras.Model):
             )
         self.engine_path = path  # (`path` is a Keras layer property)
         self._diagnostic_trackers = [
-            keras.metrics.Mean(name=name) for name in self.aggregator.diagnostics
+            trainers.StepMean(name=name) for name in self.aggregator.diagnostics
         ]
         self.__dict__["_problem_cache"] = None
         if model.built:
@@ -246,7 +246,7 @@ class PerExampleModel(_TrainStep, keras.Model):
         reports = self._take_reports()
         for tracker in self._diagnostic_trackers:
             if reports and tracker.name in reports:
-                tracker.update_state(reports[tracker.name])
+                trainers.update_mean(tracker, reports[tracker.name])
         logs = super().compute_metrics(x, y, y_pred, sample_weight)
         if reports is None:
             logs = {k: v for k, v in logs.items() if k not in self.aggregator.diagnostics}

@@ -328,6 +328,25 @@ def weighted_row_sum_2d(delta, weights):
     return torch.matmul(weights, delta)
 
 
+def add_to_mean(total, count, value, weight):
+    """A Keras ``Mean`` metric's update by the scalar ``value`` of weight ``weight`` (a
+    Python number), in place: ``total += value * weight``, ``count += weight``, in the
+    variables' dtype, as ``Mean.update_state`` computes it (~8 us where its shape
+    handling and Keras's dispatch take ~40; ``Variable.assign`` copies in place too)."""
+    total, count = total.value, count.value
+    with torch.no_grad():
+        value = value.to(total.dtype)
+        total.add_(value if weight == 1 else value * weight)
+        count.add_(weight)
+
+
+def mean_result(total, count):
+    """A ``Mean`` metric's result as ``divide_no_nan(total, count)`` computes it (0 where
+    ``count`` is 0), in raw torch."""
+    total, count = total.value, count.value
+    return torch.where(count == 0, torch.zeros_like(total), total / count)
+
+
 def _same_padding(size, kernel, stride, dilation):
     """``(left, right)``: Keras's "same" padding of one spatial axis (its torch backend's:
     the odd pixel at the end)."""
