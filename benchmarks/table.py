@@ -85,7 +85,7 @@ LM_COLUMNS = (
     ("peak: clip", "pergrad clip", "peak_ratio"),
     ("peak: dp_gaussian", "pergrad dp", "peak_ratio"),
 )
-LM_KINDS = ("gpt", "lora")
+LM_KINDS = ("gpt", "lora", "llama", "bert")  # models.HUB_KINDS (this file imports no backend)
 #: the median's memory beside plain's peak + this many x B x the largest variable's floats
 MEDIAN_MEMORY_COPIES = 2
 
@@ -109,7 +109,7 @@ def load(paths):
 def model_order(key):
     """Backends in the tables' order, then MLPs, CNNs, transformers by batch size."""
     backend, model = key
-    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora)(\d+)", model)
+    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora|llama|bert)(\d+)", model)
     kind, batch = (match.group(1), int(match.group(2))) if match else (model, 0)
     kinds = ("mlp", "cnn", "tfm") + LM_KINDS
     return (list(BACKENDS).index(backend) if backend in BACKENDS else len(BACKENDS),
@@ -127,7 +127,7 @@ def row_label(backend: str, model: str, seen: set) -> str:
 
 def model_label(model: str, first: bool) -> str:
     """``mlp64`` -> ``MLP 784-256-256-10, B=64`` (the first of its kind per backend) or ``MLP, B=64``."""
-    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora)(\d+)", model)
+    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora|llama|bert)(\d+)", model)
     if not match:
         return model
     kind, batch = match.group(1), match.group(2)
@@ -135,6 +135,10 @@ def model_label(model: str, first: bool) -> str:
         return f"GPT-2 style LM, B={batch}, T=128"
     if kind == "lora":
         return f"GPT-2 style LM + LoRA rank 4, B={batch}"
+    if kind == "llama":
+        return f"Llama style LM, B={batch}, T=128"
+    if kind == "bert":
+        return f"BERT classifier, B={batch}, T=128"
     if kind == "mlp":
         return f"MLP 784-256-256-10, B={batch}" if first else f"MLP, B={batch}"
     if kind == "cnn":
