@@ -261,7 +261,7 @@ def test_metric_updates_give_keras_mean_values():
         ours, keras_mean = StepMean(name="ours"), keras.metrics.Mean(name="keras")
         np.testing.assert_array_equal(ops.convert_to_numpy(ours.result()), 0.0)
         for k, (value, weight) in enumerate(zip(values, weights)):
-            if k == 1:  # a NaN from the first steps on: both NaN; the others before it
+            if k == 1:  # the results before the NaN arrives agree too
                 ours_before = ops.convert_to_numpy(ours.result())
                 np.testing.assert_array_equal(ours_before, ops.convert_to_numpy(keras_mean.result()))
             tensor = ops.convert_to_tensor(value, "float32")
