@@ -3,20 +3,32 @@ VENV := .venv
 BIN := $(VENV)/bin
 BACKENDS ?= tensorflow jax torch
 PYTEST_ARGS ?=
+# The demo's backend: KERAS_BACKEND if set.
+DEMO_BACKEND := $(or $(KERAS_BACKEND),tensorflow)
 
 .PHONY: install demo test bench bench-peers lint clean
 
-$(BIN)/.installed: pyproject.toml requirements-dev.txt requirements-keras-hub.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+
+# The development environment: every backend, the tests' and benchmarks' packages.
+$(BIN)/.installed: pyproject.toml requirements-dev.txt requirements-keras-hub.txt \
+		requirements-tensorflow.txt requirements-jax.txt requirements-torch.txt | $(BIN)/python
 	$(BIN)/pip install -q -r requirements-dev.txt
 	$(BIN)/pip install -q --no-deps -r requirements-keras-hub.txt
 	touch $@
 
 install: $(BIN)/.installed
 
-demo: install
-	KERAS_BACKEND=$${KERAS_BACKEND:-tensorflow} $(BIN)/pergrad demo
+# The demo's environment: one backend and the demo's scikit-learn and matplotlib, in the same
+# .venv (a later `make test` adds the rest; after it, nothing is left to install).
+$(BIN)/.demo-%: pyproject.toml requirements-%.txt | $(BIN)/python
+	test -f $(BIN)/.installed || $(BIN)/pip install -q -r requirements-$*.txt -e ".[demo]"
+	touch $@
+
+demo: $(BIN)/.demo-$(DEMO_BACKEND)
+	KERAS_BACKEND=$(DEMO_BACKEND) $(BIN)/pergrad demo
 
 # The Keras backend is fixed at import: one pytest process per backend. TensorFlow
 # runs with its own defaults (oneDNN on, on x86): pergrad's vectorized pass avoids the

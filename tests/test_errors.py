@@ -144,7 +144,7 @@ def test_loss_reductions_that_are_not_a_mean_or_a_sum_are_refused(reduction):
 
 
 def test_unknown_aggregator_name():
-    with pytest.raises(ValueError, match=r"Unknown aggregator 'no_such_rule'.*'median'"):
+    with pytest.raises(ValueError, match=r"Unknown aggregator 'no_such_rule'.*median"):
         pergrad.PerExampleModel(_mlp_problem().model, "no_such_rule")
 
 

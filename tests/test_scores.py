@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 import pergrad
+import pergrad_cli as cli
 import problems
 from oracle import take, to_numpy
-from pergrad import cli, insight
+from pergrad import insight
 from pergrad.scores import KINDS
 
 PROBLEMS = ["dense_mlp", "conv2d", "embedding", "layer_norm", "attention"]

@@ -38,6 +38,7 @@ from pergrad.log import warn_once
 from pergrad.tensors import example_rows
 
 __all__ = [
+    "AggregateProgbar",
     "DiagnosticsRequest",
     "GradientDiagnostics",
     "batch_diagnostics",
@@ -257,11 +258,34 @@ def batch_diagnostics(model, x, y=None, sample_weight=None, *, loss=None, quanti
 def diagnostics_first(callbacks):
     """``callbacks`` (a list or tuple; anything else as it is) with the
     :class:`GradientDiagnostics` first, in their order, so that the other callbacks
-    (TensorBoard, CSVLogger) see the values they put into the logs."""
+    (TensorBoard, CSVLogger) see the values they put into the logs; and, unless the list
+    has a progress bar of its own, one that leaves out the per-variable values."""
     if not isinstance(callbacks, (list, tuple)):
         return callbacks
     ours = [c for c in callbacks if isinstance(c, GradientDiagnostics)]
-    return ours + [c for c in callbacks if not isinstance(c, GradientDiagnostics)]
+    others = [c for c in callbacks if not isinstance(c, GradientDiagnostics)]
+    if ours and not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in others):
+        others.append(AggregateProgbar())
+    return ours + others
+
+
+def _aggregates(logs):
+    """``logs`` without the per-variable diagnostics (``gsnr/<variable path>``)."""
+    return logs if logs is None else {k: v for k, v in logs.items() if not k.startswith("gsnr/")}
+
+
+class AggregateProgbar(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar, showing the diagnostics' aggregates only: the per-variable
+    values (one ``gsnr/<variable path>`` per variable) go to ``History``, TensorBoard and
+    CSVLogger, not onto the bar's line. ``PerExampleModel.fit`` adds it beside a
+    :class:`GradientDiagnostics` (Keras then adds no bar of its own; none is shown with
+    ``verbose=0``)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, _aggregates(logs))
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, _aggregates(logs))
 
 
 class GradientDiagnostics(keras.callbacks.Callback):
@@ -295,8 +319,9 @@ class GradientDiagnostics(keras.callbacks.Callback):
     ``History`` (and TensorBoard, CSVLogger...) get per epoch the mean of each value
     over the epoch's diagnostic steps (for the GSNR, over its GSNR steps; NaN in an
     epoch without one) and the ``noise_scale`` at the epoch's end.
-    With ``progress_bar=True`` the batch logs carry the latest values too (the
-    progress bar shows them; TensorBoard with ``update_freq="batch"`` writes them).
+    With ``progress_bar=True`` the batch logs carry the latest values too
+    (TensorBoard with ``update_freq="batch"`` writes them). The progress bar shows the
+    aggregates only (:class:`AggregateProgbar`), not one ``gsnr/<variable path>`` per variable.
     ``history`` holds every diagnostic step's values (``history["step"]`` the
     global step, ``history["examples"]`` the batch size), across ``fit()`` calls.
 

@@ -37,14 +37,27 @@ _LABELS = {
 }
 
 
-def flip_labels(y, fraction: float, seed: int, classes: int = 10):
-    """Copies of ``y`` with exactly ``round(fraction * N)`` labels changed to another class,
-    and the boolean mask of the flipped rows."""
+#: Class-dependent noise (``noise="pairs"``): a look-alike digit's label for another.
+PAIRS = {3: 8, 1: 7}
+NOISES = ("uniform", "pairs")
+
+
+def flip_labels(y, fraction: float, seed: int, classes: int = 10, noise: str = "uniform"):
+    """Copies of ``y`` with exactly ``round(fraction * N)`` labels changed, and the boolean
+    mask of the flipped rows. ``"uniform"``: random rows, each to a random other class;
+    ``"pairs"``: rows of the classes in :data:`PAIRS` only, each to its look-alike (3 to 8, 1
+    to 7: class-dependent noise, as a labeller's confusions are)."""
+    if noise not in NOISES:
+        raise ValueError(f"noise must be one of {NOISES}; got {noise!r}.")
     rng = np.random.default_rng(seed)
+    candidates = np.arange(len(y)) if noise == "uniform" else np.flatnonzero(np.isin(y, list(PAIRS)))
     rows = np.zeros(len(y), bool)
-    rows[rng.choice(len(y), int(round(fraction * len(y))), replace=False)] = True
+    rows[rng.choice(candidates, int(round(fraction * len(y))), replace=False)] = True
     y = y.copy()
-    y[rows] = (y[rows] + 1 + rng.integers(0, classes - 1, rows.sum())) % classes
+    if noise == "uniform":
+        y[rows] = (y[rows] + 1 + rng.integers(0, classes - 1, rows.sum())) % classes
+    else:
+        y[rows] = [PAIRS[int(label)] for label in y[rows]]
     return y, rows
 
 
@@ -83,10 +96,12 @@ class FinderResult:
     seconds: dict = field(default_factory=dict)  # score kind -> seconds to compute it
 
 
-def find_mislabeled(seed: int, fraction: float = 0.1, epochs: int = 10, learning_rate: float = 0.1):
-    """Trains on digits with ``fraction`` flipped labels and ranks the training examples."""
+def find_mislabeled(seed: int, fraction: float = 0.1, epochs: int = 10, learning_rate: float = 0.1,
+                    noise: str = "uniform"):
+    """Trains on digits with ``fraction`` flipped labels (:func:`flip_labels`'s ``noise``) and
+    ranks the training examples."""
     (x, y), _ = load_digits_split(seed)
-    y_noisy, flipped = flip_labels(y, fraction, seed)
+    y_noisy, flipped = flip_labels(y, fraction, seed, noise=noise)
     checkpoints = _Checkpoints()
     model = train(x, y_noisy, seed, epochs, learning_rate, checkpoints=checkpoints)
     found, seconds = {}, {}
@@ -243,14 +258,15 @@ def _diagnostics(out_dir: str, seed: int, echo) -> None:
 
 
 def run(seeds: int = 3, fraction: float = 0.1, epochs: int = 10, out_dir: str = "insight_output",
-        pruning: bool = True, echo=print) -> dict:
+        pruning: bool = True, noise: str = "uniform", echo=print) -> dict:
     """The finder over ``seeds`` seeds, the pruning curve, and the plots in ``out_dir``."""
     started = time.perf_counter()
+    flips = "to random other classes" if noise == "uniform" else "3 to 8 and 1 to 7"
     echo(f"pergrad insight on the '{keras.backend.backend()}' backend: digits, {fraction:.0%} of the "
-         f"training labels flipped, {epochs} epochs of SGD, {seeds} seed(s).")
+         f"training labels flipped ({flips}), {epochs} epochs of SGD, {seeds} seed(s).")
     results = []
     for seed in range(seeds):
-        result = find_mislabeled(seed, fraction, epochs)
+        result = find_mislabeled(seed, fraction, epochs, noise=noise)
         results.append(result)
         shown = ", ".join(f"{_LABELS[name]} {result.precision[name]:.3f}" for name in RANKINGS)
         echo(f"  seed {seed}: precision@{int(result.flipped.sum())}: {shown}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import inspect
 import threading
 
 import keras
@@ -78,6 +80,11 @@ class PerExampleModel(_TrainStep, keras.Model):
     def __init__(self, model, aggregator="mean", *, microbatch_size: int | None = None,
                  path: str = "auto", **kwargs):
         super().__init__(**kwargs)
+        if isinstance(model, PerExampleModel):
+            raise ValueError(
+                f"Model {model.name!r} is already a PerExampleModel: wrap the Keras model once "
+                "(PerExampleModel(keras_model, rule)); to change the rule, wrap its .model."
+            )
         self.model = model
         self.aggregator = aggregators_module.get(aggregator)
         self.microbatch_size = check_microbatch_size(microbatch_size)
@@ -285,6 +292,10 @@ class PerExampleModel(_TrainStep, keras.Model):
 
     def _check_batch(self, x, y):
         """Checks the batch; returns ``x``, on TF made to depend on the run-time check."""
+        if not self.model.built:
+            # TF's fit() builds a model without `keras.Input` when it first traces the step
+            # (JAX's and torch's before it): from the batch's shapes, as plain Keras does.
+            self.build(tree.map_structure(lambda t: tuple(t.shape), x))
         # The loss's per-example checks, as `per_example_gradients` makes them (once).
         self._problem().check_once(x, y)
         size = tree.flatten(x)[0].shape[0]
@@ -296,6 +307,9 @@ class PerExampleModel(_TrainStep, keras.Model):
         )
         if size is not None and size < minimum and not several:
             raise ValueError(message.format(size))
+        # Where the size is known only when the step runs (TF, below): fit() turns the
+        # run-time assertion that carries this message into a ValueError of one line.
+        self.__dict__["_batch_size_message"] = message.format("fewer")
         if several:
             x = adapter().assert_at_least(
                 replicas.global_size(ops.shape(tree.flatten(x)[0])[0]), minimum,
@@ -309,6 +323,32 @@ class PerExampleModel(_TrainStep, keras.Model):
                 ops.shape(tree.flatten(x)[0])[0], minimum, message.format("fewer"), x
             )
         return x
+
+    def _check_batch_sizes(self, x, batch_size, validation_split, steps_per_epoch) -> None:
+        """Before the first step: every batch size ``fit()`` makes of arrays ``x`` against
+        the rule's minimum (other data, whose sizes show only as the batches come, are
+        checked by each step)."""
+        flat = tree.flatten(x) if x is not None else []
+        if (self.aggregator.min_batch_size <= 1 or steps_per_epoch is not None or not flat
+                or isinstance(x, keras.utils.PyDataset) or not hasattr(flat[0], "shape")
+                or len(flat[0].shape) == 0 or flat[0].shape[0] is None):
+            return
+        examples = int(flat[0].shape[0])
+        if validation_split:  # as Keras splits arrays
+            examples = int(examples * (1.0 - validation_split) // 1)
+        batch = batch_size or 32  # (Keras's default for arrays)
+        problem = _batch_sizes_problem(self.aggregator, examples, batch)
+        if problem is None:
+            return
+        kept = examples - examples % batch
+        others = _batch_sizes_nearby(self.aggregator, examples, batch)
+        instead = f"batch_size={' or '.join(map(str, others))}, " if others else ""
+        raise ValueError(
+            f"{problem} fit() would make batches of {batch} and a last batch of {examples % batch} "
+            f"from {examples} training examples: use another batch size ({instead}whose every "
+            f"batch the rule takes), or drop the last examples (x[:{kept}], y[:{kept}]; in "
+            f"tf.data, .batch({batch}, drop_remainder=True))."
+        )
 
     def fit(self, x=None, y=None, *args, **kwargs):
         from pergrad.diagnostics import diagnostics_first
@@ -329,13 +369,60 @@ class PerExampleModel(_TrainStep, keras.Model):
             # Refuses example-mixing layers and an accountant that does not match the
             # sampler or the rule; warns without Poisson sampling.
             check_dp_fit(self, x, callbacks)
-        if isinstance(x, PoissonSampler):
-            # Draws follow the step count restored by BackupAndRestore (after it).
-            if len(args) > 3:  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
-                args = (*args[:3], x.with_step_callback(callbacks), *args[4:])
-            else:
-                kwargs["callbacks"] = x.with_step_callback(callbacks)
-            # On several devices: its one Poisson sample split over them, padded to divide.
-            with x.split_for(self, replicas.batch_shards(self)):
-                return super().fit(x, y, *args, **kwargs)
-        return super().fit(x, y, *args, **kwargs)
+        given = inspect.signature(keras.Model.fit).bind(self, x, y, *args, **kwargs).arguments
+        self._check_batch_sizes(x, given.get("batch_size"), given.get("validation_split"),
+                                given.get("steps_per_epoch"))
+        try:
+            if isinstance(x, PoissonSampler):
+                # Draws follow the step count restored by BackupAndRestore (after it).
+                if len(args) > 3:  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+                    args = (*args[:3], x.with_step_callback(callbacks), *args[4:])
+                else:
+                    kwargs["callbacks"] = x.with_step_callback(callbacks)
+                # On several devices: its one Poisson sample split over them, padded to divide.
+                with x.split_for(self, replicas.batch_shards(self)):
+                    return super().fit(x, y, *args, **kwargs)
+            return super().fit(x, y, *args, **kwargs)
+        except Exception as error:
+            message = self.__dict__.get("_batch_size_message")
+            # (TF's message escapes the quotes)
+            if message and message in str(error).replace("\\'", "'") and not isinstance(error, ValueError):
+                # TF's run-time assertion (a batch smaller than the rule takes, its size
+                # unknown until it came): one line instead of the graph's trace.
+                raise ValueError(
+                    f"{message} The data's batches are checked as they come (only arrays' "
+                    "sizes are known before the first step): the steps before this batch were "
+                    "taken. Drop the smaller last batch (tf.data: .batch(B, drop_remainder=True)) "
+                    "or choose a batch size that leaves enough examples in it."
+                ) from None
+            raise
+        finally:
+            if getattr(self, "stop_training", False):
+                # A fit stopped inside an epoch (the privacy budget) leaves its data iterator
+                # in a reference cycle; collected at exit, TF's generator iterator cannot be
+                # finalized and prints an error.
+                gc.collect()
+
+
+def _batch_sizes_problem(aggregator, examples: int, batch_size: int) -> str | None:
+    """Why ``aggregator`` refuses a batch of ``examples`` split into batches of ``batch_size``
+    (the last one smaller), or ``None``."""
+    sizes = {min(batch_size, examples)}
+    if examples % batch_size and examples > batch_size:
+        sizes.add(examples % batch_size)
+    for size in sorted(sizes):
+        try:
+            aggregator.check_batch_size(size)
+        except ValueError as error:
+            return str(error)
+    return None
+
+
+def _batch_sizes_nearby(aggregator, examples: int, batch_size: int) -> list[int]:
+    """The nearest batch sizes below and above ``batch_size`` whose every batch
+    ``aggregator`` takes (none that is not)."""
+    below = next((b for b in range(batch_size - 1, 0, -1)
+                  if _batch_sizes_problem(aggregator, examples, b) is None), None)
+    above = next((b for b in range(batch_size + 1, 2 * batch_size + 1)
+                  if _batch_sizes_problem(aggregator, examples, b) is None), None)
+    return [b for b in (below, above) if b is not None]

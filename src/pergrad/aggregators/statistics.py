@@ -40,6 +40,13 @@ class ExampleStatistics:
         self.gram = gram
         self.scale = scale
 
+    def __repr__(self) -> str:
+        # Shapes only: the values may be symbolic (inside a traced step).
+        shape = tuple(self.scaled_squared_norms.shape)
+        gram = "" if self.gram is None else f", gram: {tuple(self.gram.shape)}"
+        return (f"ExampleStatistics({shape[0]} examples x {shape[1]} variables; read .norms "
+                f"{shape}, .flat_norms ({shape[0]},), .squared_norms{gram})")
+
     @property
     def batch_size(self):
         return ops.shape(self.scaled_squared_norms)[0]

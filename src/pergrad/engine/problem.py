@@ -290,12 +290,13 @@ class PerExampleProblem:
         return loss, y_pred, masks, scope
 
     def check_once(self, x, y):
-        """The checks that need a forward pass, on the batch's first example, before any
-        vectorized pass: what pergrad refuses is refused here, on every engine path."""
+        """The checks that need a forward pass, on the batch, before any vectorized pass:
+        what pergrad refuses is refused here, on every engine path. On the whole batch, so
+        that a shape error quotes the batch's shapes, as plain Keras does."""
         if self._checked:
             return
         # Tensors, as Keras gives a loss: a NumPy target minus a torch tensor fails.
-        first = map_optional(lambda t: ops.convert_to_tensor(t)[:1], x)
+        first = map_optional(ops.convert_to_tensor, x)
         # In training mode, as the per-example pass runs, in a scope of its own: nothing
         # the pass assigns (seed states) is kept, and torch's global generator, which
         # unseeded dropout draws from, is left where it was. The variables' current
@@ -309,7 +310,7 @@ class PerExampleProblem:
             adapter().set_random_state(random_state)
         _refuse_data_losses(scope)
         _masks(y_pred)
-        y_first = map_optional(lambda t: ops.convert_to_tensor(t)[:1], y)
+        y_first = map_optional(ops.convert_to_tensor, y)
         flat_pred = tree.flatten(y_pred)
         flat_true = tree.flatten(y_first) if y_first is not None else []
         if len(self._user_losses) == 1 and len(flat_pred) == 1 and flat_true:

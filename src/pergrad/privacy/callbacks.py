@@ -8,6 +8,7 @@ import warnings
 
 import keras
 
+from pergrad.log import LOGGER
 from pergrad.privacy.accounting import epsilon, make_accountant, steps_within_budget
 from pergrad.privacy.dp_sgd import UNLIMITED_STEPS, steps_taken
 from pergrad.privacy.sampling import PoissonSampler
@@ -156,6 +157,12 @@ class PrivacyAccountant(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._set_step_limit(None)
+        if self.max_steps is not None and self._read_steps() >= self.max_steps:
+            LOGGER.warning(
+                "pergrad: PrivacyAccountant stopped training at the privacy budget: %d steps "
+                "taken, epsilon=%.4g reached, budget epsilon=%g (delta=%g).",
+                self.steps, self.epsilon, self.max_epsilon, self.delta,
+            )
 
     def _set_step_limit(self, steps: int | None) -> None:
         """The DP rule's ``step_limit`` for this fit (``None``: no limit)."""
