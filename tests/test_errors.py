@@ -144,8 +144,12 @@ def test_loss_reductions_that_are_not_a_mean_or_a_sum_are_refused(reduction):
 
 
 def test_unknown_aggregator_name():
-    with pytest.raises(ValueError, match=r"Unknown aggregator 'no_such_rule'.*median"):
+    with pytest.raises(ValueError, match=r"Unknown aggregator 'no_such_rule'.*median.*clip\(l2_norm\)"):
         pergrad.PerExampleModel(_mlp_problem().model, "no_such_rule")
+    with pytest.raises(ValueError, match="Did you mean 'median'"):
+        pergrad.aggregators.get("medain")
+    with pytest.raises(ValueError, match=r"'clip' needs arguments: pass pergrad.aggregators.clip\(l2_norm\)"):
+        pergrad.aggregators.get("clip")
 
 
 def test_aggregator_returning_the_wrong_number_of_tensors():
@@ -184,14 +188,116 @@ class NeedsThree(pergrad.aggregators.CoordinateAggregator):
         return ops.mean(gradient, axis=0)
 
 
+def _weights(model):
+    return [np.array(w) for w in model.get_weights()]
+
+
+def _assert_unchanged(model, weights):
+    for before, after in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(before, after)
+
+
+def _one_line(error) -> str:
+    message = str(error.value)
+    assert "\n" not in message, message
+    return message
+
+
 def test_batch_smaller_than_the_rule_needs():
     problem = _mlp_problem()
-    with pytest.raises(ValueError, match="needs batches of at least 3 examples; got a batch of 1"):
-        _fit(problem, NeedsThree(), batch_size=1)
+    # A stream of batches (sizes unknown before they come): the step refuses the first.
+    batches = [(problem.x[:1], problem.y[:1])] * 3
+    wrapper = pergrad.PerExampleModel(problem.model, NeedsThree())
+    problem.compile(wrapper)
+    start = _weights(problem.model)
+    with pytest.raises(ValueError, match="needs batches of at least 3 examples; got a batch of") as error:
+        wrapper.fit((batch for batch in batches), steps_per_epoch=3, verbose=0)
+    _one_line(error)
+    _assert_unchanged(problem.model, start)
     # The refused fit() left the model usable (Keras's JAX fit() empties its variables).
     grads = pergrad.per_example_gradients(problem.model, problem.x[:2], problem.y[:2])
     with pytest.raises(ValueError, match="needs a batch of at least 3 examples, got 2"):
         NeedsThree()(grads)
+
+
+@pytest.mark.parametrize("rule", ["needs_three", "krum"])
+def test_every_batch_size_of_arrays_is_checked_before_the_first_step(rule):
+    """8 examples in batches of 3 leave a last batch of 2: refused before any weight moves,
+    with the batch sizes that work and the other way out."""
+    problem = _mlp_problem(batch=8)
+    aggregator = NeedsThree() if rule == "needs_three" else pergrad.aggregators.krum(0.2)
+    start = _weights(problem.model)
+    with pytest.raises(ValueError, match="at least 3 examples, got 2") as error:
+        _fit(problem, aggregator, batch_size=3)
+    message = _one_line(error)
+    assert "last batch of 2 from 8 training examples" in message
+    assert "batch_size=4" in message and "drop_remainder=True" in message and "x[:6]" in message
+    _assert_unchanged(problem.model, start)
+    # What the message proposes trains; so does validation_split's smaller training set.
+    _fit(problem, aggregator, batch_size=4)
+    with pytest.raises(ValueError, match="last batch of 1 from 7 training examples"):
+        _fit(problem, aggregator, batch_size=3, validation_split=0.125)
+
+
+def _small_batches_last():
+    problem = _mlp_problem(batch=8)
+    return problem, [(problem.x[:3], problem.y[:3]), (problem.x[3:6], problem.y[3:6]),
+                     (problem.x[6:], problem.y[6:])]
+
+
+def test_a_small_last_batch_of_a_stream_is_one_line():
+    """Sizes that show only as the batches come: the step refuses the small one in one line
+    (on TF a run-time assertion, not its graph's trace) and says that earlier steps ran."""
+    problem, batches = _small_batches_last()
+    wrapper = pergrad.PerExampleModel(problem.model, NeedsThree())
+    problem.compile(wrapper)
+    with pytest.raises(ValueError, match="needs batches of at least 3 examples") as error:
+        wrapper.fit((batch for batch in batches), steps_per_epoch=3, verbose=0)
+    _one_line(error)
+
+
+def test_a_sequential_without_input_is_built_from_the_first_batch():
+    """As plain Keras builds it, on every backend; ``mean`` then trains as plain Keras."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(12, 5)).astype("float32"), rng.integers(0, 3, 12)
+    trained = []
+    for wrap in (False, True):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)])
+        fitted = pergrad.PerExampleModel(model, "mean") if wrap else model
+        fitted.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        keras.utils.set_random_seed(1)
+        fitted.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        assert model.built
+        trained.append(model)
+    oracle.assert_weights_close(trained[1], trained[0])
+
+
+def test_shape_errors_quote_the_batch_shapes():
+    """A wrong feature count and a target that does not match the output: the batch's
+    shapes (6 examples), not one example's, as plain Keras says."""
+    problem = _mlp_problem()
+    wrong = np.ones((6, 4), "float32")
+    start = _weights(problem.model)
+    wrapper = pergrad.PerExampleModel(problem.model, "median")
+    problem.compile(wrapper)
+    for call in (lambda: pergrad.per_example_gradients(problem.model, wrong, problem.y),
+                 lambda: wrapper.fit(wrong, problem.y, batch_size=6, verbose=0)):
+        with pytest.raises(ValueError) as error:
+            call()
+        assert "(1, 4)" not in str(error.value) and ("(6, 4)" in str(error.value)
+                                                     or "(None, 4)" in str(error.value))
+    targets = np.ones((6, 2), "float32")
+    # (torch writes torch.Size([6, 2]))
+    with pytest.raises(ValueError, match=r"target.shape=\S*\(\[?6, 2\]?\), output.shape=\S*\(\[?6, 3"):
+        pergrad.per_example_gradients(problem.model, problem.x, targets, loss="categorical_crossentropy")
+    _assert_unchanged(problem.model, start)
+
+
+def test_a_per_example_model_is_not_wrapped_twice():
+    wrapper = pergrad.PerExampleModel(_mlp_problem().model, "mean")
+    with pytest.raises(ValueError, match="already a PerExampleModel"):
+        pergrad.PerExampleModel(wrapper, "median")
 
 
 # --- non-finite per-example gradients -----------------------------------------------------------

@@ -390,10 +390,10 @@ class PerExampleModel(_TrainStep, keras.Model):
                 # TF's run-time assertion (a batch smaller than the rule takes, its size
                 # unknown until it came): one line instead of the graph's trace.
                 raise ValueError(
-                    f"{message} The data's batches are checked as they come (only arrays' "
-                    "sizes are known before the first step): the steps before this batch were "
-                    "taken. Drop the smaller last batch (tf.data: .batch(B, drop_remainder=True)) "
-                    "or choose a batch size that leaves enough examples in it."
+                    f"{message} These data's batch sizes show only as the batches come (arrays' "
+                    "are checked before the first step): the steps of earlier batches, if any, "
+                    "were taken. Drop the smaller last batch (tf.data: .batch(B, "
+                    "drop_remainder=True)) or choose a batch size that leaves enough examples in it."
                 ) from None
             raise
         finally:
