@@ -116,8 +116,9 @@ class AdaptiveDPGaussian(DPGaussian):
             count (``sampler.expected_batch_size``); required.
         target_quantile: ``gamma`` in ``(0, 1)``, the fraction of examples to leave
             unclipped (0.5: the median norm, the paper's default).
-        learning_rate: ``eta`` (> 0); ``C`` changes by at most a factor
-            ``exp(eta)`` per step (0.2, the paper's).
+        learning_rate: ``eta`` (> 0); ``C`` grows by at most a factor
+            ``exp(eta * gamma)`` and shrinks by at most ``exp(eta * (1 - gamma))``
+            per step (0.2, the paper's).
         count_stddev: ``sigma_b`` (>= 0); ``None``: ``expected_batch_size / 20`` (the
             paper's and TF Privacy's suggestion). With ``noise_multiplier > 0`` it must
             exceed ``noise_multiplier / 2``.
