@@ -113,6 +113,28 @@ def test_fit_logs_the_step_batch_diagnostics():
     np.testing.assert_allclose(logs["gsnr"], callback.history["gsnr"], rtol=1e-6)  # one GSNR step each
 
 
+def test_the_progress_bar_shows_aggregates_and_history_every_variable(capsys):
+    problem = _compiled("dense_mlp")
+    wrapper = pergrad.PerExampleModel(problem.model, "mean")
+    wrapper.compile(optimizer=keras.optimizers.SGD(0.1), loss=problem.loss)
+    history = wrapper.fit(problem.x, problem.y, batch_size=3, epochs=2, verbose=2,
+                          callbacks=[GradientDiagnostics(progress_bar=True)])
+    shown = capsys.readouterr().out
+    assert "gsnr:" in shown and "noise_scale:" in shown and "gsnr/" not in shown, shown
+    kernel = problem.model.trainable_variables[0].path
+    assert len(history.history[f"gsnr/{kernel}"]) == 2
+
+
+def test_tensorboard_writes_every_variable(tmp_path):
+    pytest.importorskip("tensorboard", reason="Keras's TensorBoard callback needs the tensorboard package")
+    pytest.importorskip("tensorflow", reason="Keras's TensorBoard callback writes with tf.summary")
+    problem = _compiled("dense_mlp")
+    _fit(problem, "mean", [keras.callbacks.TensorBoard(str(tmp_path)), GradientDiagnostics()])
+    written = b"".join(path.read_bytes() for path in (tmp_path / "train").glob("events.out.tfevents.*"))
+    kernel = problem.model.trainable_variables[0].path
+    assert f"epoch_gsnr/{kernel}".encode() in written and b"epoch_noise_scale" in written
+
+
 @pytest.mark.parametrize("aggregator", ["mean", "clip", "median"])
 def test_training_is_unchanged(aggregator, monkeypatch):
     rule = (lambda: pergrad.aggregators.clip(1.0)) if aggregator == "clip" else lambda: aggregator

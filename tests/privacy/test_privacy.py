@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 
@@ -309,7 +310,7 @@ class TracingModel(pergrad.PerExampleModel):
         return super().train_step(*args)
 
 
-def test_dp_sgd_fit_logs_epsilon_saves_resumes_and_stops_at_the_budget(tmp_path):
+def test_dp_sgd_fit_logs_epsilon_saves_resumes_and_stops_at_the_budget(tmp_path, caplog):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(60, 4)).astype("float32")
     y = (x @ rng.normal(size=(4, 1))).astype("float32")
@@ -351,7 +352,12 @@ def test_dp_sgd_fit_logs_epsilon_saves_resumes_and_stops_at_the_budget(tmp_path)
     # Resuming counts the earlier steps; the budget stops training at the last allowed step.
     budget = privacy.epsilon(noise_multiplier, rate, 13, delta) + 1e-9
     limited = PrivacyAccountant(noise_multiplier, rate, delta, max_epsilon=budget)
-    history = model.fit(sampler, epochs=10, verbose=0, callbacks=[limited])
+    with caplog.at_level(logging.WARNING, logger="pergrad"):
+        history = model.fit(sampler, epochs=10, verbose=0, callbacks=[limited])
+    # One line says why training stopped: the steps, the epsilon reached and the budget.
+    said = [r.getMessage() for r in caplog.records if "PrivacyAccountant stopped" in r.getMessage()]
+    assert said == [f"pergrad: PrivacyAccountant stopped training at the privacy budget: 13 steps taken, "
+                    f"epsilon={limited.epsilon:.4g} reached, budget epsilon={budget:g} (delta={delta:g})."]
     assert limited.max_steps == 13
     assert int(ops.convert_to_numpy(model.optimizer.iterations)) == 13
     assert history.history["epsilon"][-1] <= budget
