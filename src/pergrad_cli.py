@@ -74,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    # TensorFlow's C++ start-up lines (oneDNN, CPU features, CUDA) before the first result.
+    # TensorFlow's C++ info and warning lines (not the few it writes before its logging starts).
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     echo = lambda line: print(line, flush=True)  # noqa: E731
     if args.command == "demo":
