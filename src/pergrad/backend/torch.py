@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pergrad import compat
 from pergrad.backend import NotVectorizable
 from pergrad.backend._single_replica import (  # noqa: F401
     all_gather,
@@ -54,6 +55,24 @@ class _VmapWorkarounds(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _per_example_cond(cond):
+    """Keras's torch ``cond`` (``if pred:``), which also takes a predicate with one value per
+    example inside ``torch.func.vmap`` (Keras's hinge losses ask whether the batch's labels
+    are 0/1): both branches then run and each example takes its own branch's values."""
+
+    def per_example(pred, true_fn, false_fn):
+        try:
+            return cond(pred, true_fn, false_fn)
+        except RuntimeError as error:
+            if "vmap:" not in str(error):
+                raise
+        taken, other = true_fn(), false_fn()
+        return keras.tree.map_structure(
+            lambda a, b: torch.where(pred, torch.as_tensor(a), torch.as_tensor(b)), taken, other)
+
+    return per_example
+
+
 @contextlib.contextmanager
 def _vectorizing(workarounds=True):
     """The context of our vectorized maps: :class:`_VmapWorkarounds` (unless
@@ -65,6 +84,7 @@ def _vectorizing(workarounds=True):
     has no batching rule, so vmap runs it example by example, forward and backward
     ("There is a performance drop ..."). The two compute the same attention.
     """
+    compat.wrap_backend_core_function("cond", _per_example_cond)
     with contextlib.ExitStack() as stack:
         stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
         if workarounds:
@@ -135,6 +155,11 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
     with torch.enable_grad(), _vectorizing():
         return vectorized(batched)
 
+
+
+def outside_trace():
+    """Nothing to leave: torch runs every op eagerly."""
+    return contextlib.nullcontext()
 
 def no_grad(after=None):
     """The optimizer's update context: no autograd recording (eager: nothing to order)."""
