@@ -155,21 +155,23 @@ def own_trainable_variables(layer) -> list:
 _WRAPPED = set()
 
 
-def wrap_backend_core_function(name: str, wrap) -> None:
-    """Replaces ``keras.src.backend.<active backend>.core.<name>``, which the ``keras.ops``
-    op of that name calls, by ``wrap(original)``; once per name (later calls do nothing).
+def wrap_backend_function(module: str, name: str, wrap) -> None:
+    """Replaces ``keras.src.backend.<active backend>.<module>.<name>``, which the
+    ``keras.ops`` op of that name calls, by ``wrap(original)``; once per name (later calls
+    do nothing).
 
-    For a backend adapter whose vectorizing transform cannot run Keras's version (torch's
-    ``cond`` branches on a tensor's value): ``wrap`` must return a function that behaves
-    as the original wherever the original runs.
+    For a backend adapter that must change how Keras's version runs in pergrad's passes
+    (torch's ``cond`` branches on a tensor's value, which ``torch.func.vmap`` cannot;
+    torch's fused attention has a wrong gradient): ``wrap`` must return a function that
+    behaves as the original wherever pergrad does not ask otherwise.
     """
     import importlib
 
-    module = importlib.import_module(f"keras.src.backend.{keras.backend.backend()}.core")
+    owner = importlib.import_module(f"keras.src.backend.{keras.backend.backend()}.{module}")
     with _PATCH_LOCK:
-        if name not in _WRAPPED:
-            setattr(module, name, wrap(getattr(module, name)))
-            _WRAPPED.add(name)
+        if (module, name) not in _WRAPPED:
+            setattr(owner, name, wrap(getattr(owner, name)))
+            _WRAPPED.add((module, name))
 
 
 # The recorders of each thread's dry runs, innermost last, and how many dry runs
