@@ -90,12 +90,18 @@ def _jax_gradient(model, x, y, sample_weight, training):
 
 
 def _torch_gradient(model, x, y, sample_weight, training):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     variables = model.trainable_variables
     for v in variables:
         v.value.grad = None
-    y_pred = model(x, training=training)
-    loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
-    loss.backward()
+    # Attention by torch's math kernel: the CPU flash kernel it picks otherwise has a wrong
+    # gradient for a query that the mask leaves no key (pergrad.backend.torch._exact_attention;
+    # tests/engine/test_attention_masks.py checks the math kernel by finite differences).
+    with sdpa_kernel([SDPBackend.MATH]):
+        y_pred = model(x, training=training)
+        loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        loss.backward()
     grads = [
         np.zeros(v.shape, "float32") if v.value.grad is None else v.value.grad.detach().cpu().numpy()
         for v in variables

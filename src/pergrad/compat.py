@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import threading
 
+import keras
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 
@@ -44,6 +45,14 @@ def make_compile_loss(loss, loss_weights, output_names):
 def compiled_loss(model):
     """``Trainer._compile_loss``: the model's compiled loss container (``None`` before ``compile()``)."""
     return getattr(model, "_compile_loss", None)
+
+
+def compiled_losses(compile_loss) -> list:
+    """``CompileLoss._flat_losses``: the built container's loss objects, one per output that
+    has a loss (strings and functions resolved and wrapped as Keras wraps them); ``[]``
+    before it is built."""
+    entries = getattr(compile_loss, "_flat_losses", None) or ()
+    return [entry[1] for entry in entries]
 
 
 def compiled_loss_weights(compile_loss):
@@ -141,6 +150,28 @@ def own_trainable_variables(layer) -> list:
     if not layer.trainable:
         return []
     return [v for v in layer._trainable_variables if v.trainable]
+
+
+_WRAPPED = set()
+
+
+def wrap_backend_function(module: str, name: str, wrap) -> None:
+    """Replaces ``keras.src.backend.<active backend>.<module>.<name>``, which the
+    ``keras.ops`` op of that name calls, by ``wrap(original)``; once per name (later calls
+    do nothing).
+
+    For a backend adapter that must change how Keras's version runs in pergrad's passes
+    (torch's ``cond`` branches on a tensor's value, which ``torch.func.vmap`` cannot;
+    torch's fused attention has a wrong gradient): ``wrap`` must return a function that
+    behaves as the original wherever pergrad does not ask otherwise.
+    """
+    import importlib
+
+    owner = importlib.import_module(f"keras.src.backend.{keras.backend.backend()}.{module}")
+    with _PATCH_LOCK:
+        if (module, name) not in _WRAPPED:
+            setattr(owner, name, wrap(getattr(owner, name)))
+            _WRAPPED.add((module, name))
 
 
 # The recorders of each thread's dry runs, innermost last, and how many dry runs

@@ -210,10 +210,11 @@ def run_engine(wrapper, problem, plan: ReplicaPlan, trainable_values, non_traina
     return None, per_example, aux
 
 
-def check_output_mask(wrapper, aux) -> None:
+def check_output_mask(wrapper, problem, aux) -> None:
     """Refuses a masked output (``aux["mask"]``: known once the forward pass is traced,
-    before any update) for a DP rule and on several replicas."""
-    if "mask" not in aux:
+    before any update) or a loss that masks its values (``ignore_class``: the same
+    normalization by the whole batch) for a DP rule and on several replicas."""
+    if "mask" not in aux and not problem.loss_masks:
         return
     if wrapper.aggregator.differentially_private:
         from pergrad.privacy.dp_sgd import refuse_masked_output
@@ -320,7 +321,7 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
         result, per_example, aux = run_engine(
             wrapper, problem, plan, trainable_values, non_trainable_values, x, y, sample_weight
         )
-        check_output_mask(wrapper, aux)
+        check_output_mask(wrapper, problem, aux)
         if result is None:
             result = apply_rule(wrapper, plan, per_example)
     finally:

@@ -22,6 +22,8 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
 - ``check_known_problems(layers)``: raises, before anything runs, for layers the
   backend is known to break in the vectorized pass (TensorFlow's oneDNN matmul,
   where pergrad's pfor conversions that avoid it are missing).
+- ``outside_trace()``: a context whose ops run at once on concrete values, also
+  while a step is traced (``tf.init_scope``, ``jax.ensure_compile_time_eval``).
 - ``compile(fn)``: ``fn`` (pure in its tensor arguments) compiled once per input
   signature: ``tf.function``, ``jax.jit``; on torch, eager with detached results.
 - ``scan(f, init, xs)`` (TF, JAX): ``jax.lax.scan`` in the graph, for

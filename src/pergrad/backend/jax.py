@@ -25,6 +25,11 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
     return jax.lax.map(single, batched, batch_size=microbatch_size)
 
 
+
+def outside_trace():
+    """Ops in this context run at once on concrete values, also while a step is traced."""
+    return jax.ensure_compile_time_eval()
+
 def no_grad(after=None):
     """The optimizer's update context (JAX's step is a pure function: nothing to order)."""
     return contextlib.nullcontext()

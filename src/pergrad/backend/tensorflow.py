@@ -75,6 +75,10 @@ def _vectorized_map(fn, elems):
         return tf.vectorized_map(example, elems, fallback_to_while_loop=True)
 
 
+# What pfor raises for a graph it cannot convert.
+_UNCONVERTIBLE = (TypeError, ValueError, AttributeError)
+
+
 def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
     def single(example):
         with tf.GradientTape() as tape:
@@ -87,7 +91,9 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
 
     def loop(error):
         # pfor cannot differentiate some graphs (the while loop of an RNN layer
-        # with a mask is one); a graph-level loop over examples gives the same values.
+        # with a mask is one; ctc_loss's gradient, a Defun without the graph pfor asks
+        # for, fails with an AttributeError); a graph-level loop over examples gives
+        # the same values.
         warnings.warn(
             "tf.vectorized_map could not vectorize the per-example gradient "
             f"({type(error).__name__}: {str(error).strip().splitlines()[-1]}); "
@@ -104,12 +110,12 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
             # where they run (and fail) at execution time.
             with _quiet_pfor():
                 return tf.function(vectorized, autograph=False)(batched)
-        except (TypeError, ValueError) as error:
+        except _UNCONVERTIBLE as error:
             return loop(error)
     try:
         with _quiet_pfor():
             out_spec = _output_spec(vectorized, _spec(batched, [microbatch_size]))
-    except (TypeError, ValueError) as error:
+    except _UNCONVERTIBLE as error:
         return loop(error)  # one example at a time: within any microbatch size
     leaves = tf.nest.flatten(batched)
     batch_size = tf.shape(leaves[0])[0]
@@ -150,6 +156,11 @@ def check_known_problems(layers):
         "TensorFlow is imported, or use the JAX or PyTorch backend."
     )
 
+
+
+def outside_trace():
+    """Ops in this context run eagerly on concrete values, also while a ``tf.function`` is traced."""
+    return tf.init_scope()
 
 def no_grad(after=None):
     """The optimizer's update context: its ops run after the tensors ``after`` (in a

@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import threading
 import traceback
 
 import keras
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pergrad import compat
 from pergrad.backend import NotVectorizable
 from pergrad.backend._single_replica import (  # noqa: F401
     all_gather,
@@ -54,6 +56,73 @@ class _VmapWorkarounds(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _per_example_cond(cond):
+    """Keras's torch ``cond`` (``if pred:``), which also takes a predicate with one value per
+    example inside ``torch.func.vmap`` (Keras's hinge losses ask whether the batch's labels
+    are 0/1): both branches then run and each example takes its own branch's values."""
+
+    def per_example(pred, true_fn, false_fn):
+        try:
+            return cond(pred, true_fn, false_fn)
+        except RuntimeError as error:
+            if "vmap:" not in str(error):
+                raise
+        taken, other = true_fn(), false_fn()
+        return keras.tree.map_structure(
+            lambda a, b: torch.where(pred, torch.as_tensor(a), torch.as_tensor(b)), taken, other)
+
+    return per_example
+
+
+# How many of pergrad's passes this thread is in (:func:`_exact_attention`).
+_PASSES = threading.local()
+
+
+def _has_fully_masked_row(mask) -> bool:
+    """Whether an attention mask leaves some query with no key to attend to; ``False``
+    inside ``torch.func.vmap``, where the answer differs per example (and our maps run the
+    math kernel anyway)."""
+    try:
+        return bool((~torch.as_tensor(mask).to(torch.bool)).all(dim=-1).any())
+    except RuntimeError as error:
+        if "vmap:" not in str(error):
+            raise
+        return False
+
+
+def _exact_attention(dot_product_attention):
+    """Keras's torch ``dot_product_attention``, which in pergrad's passes runs torch's math
+    kernel where the mask leaves a query with no key to attend to.
+
+    There torch's CPU flash kernel (what ``scaled_dot_product_attention`` picks on CPU)
+    gets the gradient wrong: the row's logsumexp is a huge negative number (Keras masks
+    with -2.4e38) to which log(keys) adds nothing in float32, so the backward pass weighs
+    every key by 1 instead of 1/keys (torch 2.13; the forward pass is right). The math
+    kernel's gradient is the forward pass's (a finite difference agrees), as TensorFlow's
+    and JAX's are. Elsewhere (no mask, a causal one, every query with a key) the two
+    kernels agree and the faster one runs (docs/architecture.md, 'Known traps').
+    """
+
+    def attention(query, key, value, bias=None, mask=None, *args, **kwargs):
+        if mask is not None and getattr(_PASSES, "depth", 0) and _has_fully_masked_row(mask):
+            with sdpa_kernel([SDPBackend.MATH]):
+                return dot_product_attention(query, key, value, bias, mask, *args, **kwargs)
+        return dot_product_attention(query, key, value, bias, mask, *args, **kwargs)
+
+    return attention
+
+
+@contextlib.contextmanager
+def _pass():
+    """The context of each of pergrad's gradient passes (:func:`_exact_attention`)."""
+    compat.wrap_backend_function("nn", "dot_product_attention", _exact_attention)
+    _PASSES.depth = getattr(_PASSES, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _PASSES.depth -= 1
+
+
 @contextlib.contextmanager
 def _vectorizing(workarounds=True):
     """The context of our vectorized maps: :class:`_VmapWorkarounds` (unless
@@ -65,7 +134,9 @@ def _vectorizing(workarounds=True):
     has no batching rule, so vmap runs it example by example, forward and backward
     ("There is a performance drop ..."). The two compute the same attention.
     """
+    compat.wrap_backend_function("core", "cond", _per_example_cond)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_pass())
         stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
         if workarounds:
             stack.enter_context(_VmapWorkarounds())
@@ -136,6 +207,11 @@ def vectorized_grad(fn, params, batched, shared, microbatch_size=None):
         return vectorized(batched)
 
 
+
+def outside_trace():
+    """Nothing to leave: torch runs every op eagerly."""
+    return contextlib.nullcontext()
+
 def no_grad(after=None):
     """The optimizer's update context: no autograd recording (eager: nothing to order)."""
     return torch.no_grad()
@@ -163,7 +239,7 @@ def compile(fn):
 
 def grad(fn, params):
     """Value and gradient of the scalar ``fn(params)``; zeros where unconnected."""
-    with torch.enable_grad():
+    with torch.enable_grad(), _pass():
         params = [p.detach().requires_grad_(True) for p in params]
         value = fn(params)
         grads = torch.autograd.grad(value, params, allow_unused=True)
@@ -203,7 +279,7 @@ def vectorized_call(fn, batched, shared, layout_hints=True):
 
 def grad_with_aux(fn, params):
     """Gradient of the scalar ``fn(params)[0]`` and ``fn``'s auxiliary outputs (detached)."""
-    with torch.enable_grad():
+    with torch.enable_grad(), _pass():
         params = [p.detach().requires_grad_(True) for p in params]
         value, aux = fn(params)
         grads = torch.autograd.grad(value, params, allow_unused=True)
@@ -219,7 +295,7 @@ def grad_with_aux_at_outputs(fn, params, with_params):
     ``outputs`` are tensors ``fn`` computed (``None`` where absent): autograd gives the
     gradient at an intermediate tensor directly, without adding a zero probe to it.
     """
-    with torch.enable_grad():
+    with torch.enable_grad(), _pass():
         params = [p.detach().requires_grad_(True) for p in params]
         value, aux, outputs = fn(params)
         wanted = [t for t in outputs if t is not None and t.requires_grad]

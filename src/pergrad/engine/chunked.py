@@ -221,7 +221,8 @@ def aggregate(
     # The whole batch's constant (docs/architecture.md, 'Per-example gradients'), the
     # same for every example: B for a sum reduction, B / sum_j valid_j for masks
     # (valid_i is in `partial`).
-    constant = problem.scale_constant(partial if "mask" in out else None, batch_size)
+    masked = "mask" in out or problem.loss_masks
+    constant = problem.scale_constant(partial if masked else None, batch_size)
     if constant is None:
         constant = ops.convert_to_tensor(1.0, "float32")
     example_scale = partial * constant

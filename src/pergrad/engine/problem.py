@@ -17,6 +17,7 @@ from collections import OrderedDict
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops, tree
 
 from pergrad import compat, replicas
@@ -78,19 +79,91 @@ def mean_reduced(loss):
     return _nest_map(convert, loss)
 
 
-def _check_per_example_function(loss, y_true, y_pred):
-    """A plain loss function must return one value per example, not a scalar."""
-    fn = getattr(loss, "fn", None) if isinstance(loss, keras.losses.Loss) else loss
-    if not callable(fn) or isinstance(fn, keras.losses.Loss) or isinstance(fn, str):
-        return
-    value = fn(y_true, y_pred)
-    if len(ops.shape(value)) == 0:
+# Examples of made-up targets and predictions, on which a loss's values for all of them
+# and for each example alone are compared (:func:`probe_losses`).
+_PROBE_ROWS = 4
+
+
+def _probe_values(shape, dtype, rng):
+    """Made-up values of one target or prediction for :data:`_PROBE_ROWS` examples: class
+    ids 0 and 1 for integers (valid for every classifier; several examples share one, as
+    the pairs of a contrastive loss need), else values in (0.05, 0.95) (valid
+    probabilities, logits, regression targets and positive counts alike)."""
+    shape = (_PROBE_ROWS,) + tuple(shape[1:])
+    dtype = keras.backend.standardize_dtype(dtype)
+    if "int" in dtype or dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(dtype)
+    return rng.uniform(0.05, 0.95, size=shape).astype("float32")
+
+
+def _loss_name(loss) -> str:
+    fn = getattr(loss, "fn", None)
+    return repr(getattr(fn, "__name__", None) or getattr(loss, "name", None) or type(loss).__name__)
+
+
+def _single_loss(losses, y_true, y_pred):
+    """``(loss, y_true, y_pred)`` of a single-output model with one loss, else ``None``."""
+    if y_true is None or len(losses) != 1 or len(tree.flatten(y_true)) != 1 or len(tree.flatten(y_pred)) != 1:
+        return None  # several outputs: their targets are matched by the container
+    return losses[0], tree.flatten(y_true)[0], tree.flatten(y_pred)[0]
+
+
+def loss_values(loss, y_true, y_pred):
+    """The values Keras reduces for one of the container's loss objects (its ``call`` on
+    the inputs cast as ``Loss.__call__`` casts them; ranks aligned by a wrapped function)."""
+    dtype = getattr(loss, "dtype", None) or keras.backend.floatx()
+    return loss.call(ops.cast(y_true, dtype), ops.cast(y_pred, dtype))
+
+
+def probe_losses(losses, y_true, y_pred) -> bool:
+    """Raises unless the loss gives each example a value computed from that example alone;
+    returns whether those values carry a mask of their own (``ignore_class``).
+
+    ``losses`` are the compiled loss container's resolved loss objects (strings and
+    functions wrapped as Keras wraps them); ``y_true`` and ``y_pred`` give the shapes
+    and dtypes (they may be symbolic). The loss runs outside any trace on made-up values
+    for a few examples: a loss that returns a scalar for them has reduced over the batch
+    (Dice with ``axis=None``, a function that averages), and one whose values for them
+    differ from each example's alone mixes examples (Circle, a contrastive loss, a
+    target that broadcasts against the whole batch); neither has the per-example losses
+    whose mean is the batch loss. A loss that cannot run on the made-up values (it needs
+    structured targets) is not judged. Single-output models only.
+    """
+    single = _single_loss(losses, y_true, y_pred)
+    if single is None:
+        return False
+    loss, y_true, y_pred = single
+    if any(d is None for d in tuple(y_true.shape)[1:] + tuple(y_pred.shape)[1:]):
+        return False
+    rng = np.random.default_rng(0)
+    with adapter().outside_trace():
+        target = ops.convert_to_tensor(_probe_values(y_true.shape, y_true.dtype, rng))
+        prediction = ops.convert_to_tensor(_probe_values(y_pred.shape, y_pred.dtype, rng))
+        try:
+            values = [loss_values(loss, target[rows], prediction[rows])
+                      for rows in [slice(0, _PROBE_ROWS)] + [slice(i, i + 1) for i in range(_PROBE_ROWS)]]
+        except Exception:  # noqa: BLE001 (a loss that needs structured targets: not judged)
+            return False
+        masked = compat.get_mask(values[0]) is not None
+        together, alone = ops.convert_to_numpy(values[0]), [ops.convert_to_numpy(v) for v in values[1:]]
+    if np.ndim(together) == 0:
         raise ValueError(
-            f"The loss function {getattr(fn, '__name__', fn)!r} returns a scalar for a "
-            "batch, so it has already averaged over examples and per-example losses "
-            "cannot be recovered from it. Return one loss per example (shape (batch,) "
-            "or (batch, ...)) and let Keras reduce it."
+            f"The loss {_loss_name(loss)} returns a scalar for a batch, so it has already "
+            "averaged over examples and per-example losses cannot be recovered from it. "
+            "Return one loss per example (shape (batch,) or (batch, ...)) and let Keras "
+            "reduce it (for Dice and Tversky: pass axis=, e.g. the non-batch axes)."
         )
+    together = np.reshape(together, (_PROBE_ROWS, -1))
+    separate = np.concatenate([np.reshape(a, (1, -1)) for a in alone])
+    if separate.shape != together.shape or not np.allclose(together, separate, rtol=1e-4, atol=1e-6):
+        raise ValueError(
+            f"The loss {_loss_name(loss)} computes each example's value from the other "
+            "examples of the batch too (pairs or batch statistics, as Circle and contrastive "
+            "losses do, or targets that broadcast against the whole batch), so an example's "
+            "own loss, and its gradient, are not defined. Use a loss of each example alone "
+            "(check the targets' shape)."
+        )
+    return masked
 
 
 def _refuse_data_losses(scope) -> None:
@@ -220,6 +293,8 @@ class PerExampleProblem:
                 "used like the default) for every output."
             )
         self._checked = False
+        # Whether the loss masks its own values (ignore_class), from check_once's probe.
+        self.loss_masks = False
         # Compiled standalone functions, keyed on what they read from the model (bounded_get).
         self.compiled_functions = OrderedDict()
         # The statistics path's dry-run plans where steps run eagerly (engine.plan.cached_plan).
@@ -263,8 +338,18 @@ class PerExampleProblem:
             "seeds": [scope.get_current_value(compat.non_trainable_variables(self.model)[p])
                       for p in self.seed_positions],
         }
+        # Keras normalizes the loss by the unmasked values of the whole batch: those of the
+        # output's mask and of a mask the loss puts on its values (ignore_class).
+        normalization = masks[0] if masks else None
+        if self.loss_masks:
+            values_mask = compat.get_mask(
+                loss_values(compat.compiled_losses(self.compile_loss)[0], tree.flatten(y)[0],
+                            tree.flatten(y_pred)[0]))
+            normalization = values_mask if normalization is None else ops.logical_and(
+                ops.cast(normalization, "bool"), ops.cast(values_mask, "bool"))
+        if normalization is not None:
+            aux["valid"] = ops.sum(ops.cast(normalization, loss.dtype))
         if masks:
-            aux["valid"] = ops.sum(ops.cast(masks[0], loss.dtype))
             aux["mask"] = ops.squeeze(masks[0], 0)
         return scaled, aux
 
@@ -296,7 +381,7 @@ class PerExampleProblem:
         if self._checked:
             return
         # Tensors, as Keras gives a loss: a NumPy target minus a torch tensor fails.
-        first = map_optional(ops.convert_to_tensor, x)
+        inputs = map_optional(ops.convert_to_tensor, x)
         # In training mode, as the per-example pass runs, in a scope of its own: nothing
         # the pass assigns (seed states) is kept, and torch's global generator, which
         # unseeded dropout draws from, is left where it was. The variables' current
@@ -305,19 +390,16 @@ class PerExampleProblem:
         random_state = adapter().random_state()
         try:
             with keras.StatelessScope(state_mapping=values, collect_losses=True) as scope:
-                y_pred = self.model(first, training=self.training)
+                y_pred = self.model(inputs, training=self.training)
         finally:
             adapter().set_random_state(random_state)
         _refuse_data_losses(scope)
         _masks(y_pred)
-        y_first = map_optional(ops.convert_to_tensor, y)
-        flat_pred = tree.flatten(y_pred)
-        flat_true = tree.flatten(y_first) if y_first is not None else []
-        if len(self._user_losses) == 1 and len(flat_pred) == 1 and flat_true:
-            _check_per_example_function(self._user_losses[0], flat_true[0], flat_pred[0])
-        if y_first is not None and not getattr(self.compile_loss, "built", True):
+        targets = map_optional(ops.convert_to_tensor, y)
+        if targets is not None and not getattr(self.compile_loss, "built", True):
             with keras.StatelessScope():  # builds the loss container outside any trace
-                self.compile_loss(y_first, y_pred, None)
+                self.compile_loss(targets, y_pred, None)
+        self.loss_masks = probe_losses(compat.compiled_losses(self.compile_loss), targets, y_pred)
         self._checked = True
 
     # -- public entry point ---------------------------------------------------------

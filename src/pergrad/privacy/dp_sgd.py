@@ -393,12 +393,12 @@ def refuse_masked_output() -> None:
     several times the clipping norm.
     """
     raise ValueError(
-        "DP rules cannot train a model with a masked output: Keras divides a masked "
-        "loss by the number of unmasked steps of the whole batch, so every example's "
-        "gradient depends on the other examples' lengths and clipping no longer "
-        "bounds one record's influence. Remove the mask (e.g. Embedding(mask_zero="
-        "False)) and give padding steps sample weight 0 with a (batch, time) "
-        "sample_weight instead: the loss is then divided by batch * time, which "
-        "does not depend on the other examples."
+        "DP rules cannot train a model with a masked output (or a loss that masks its "
+        "values, such as ignore_class): Keras divides a masked loss by the number of "
+        "unmasked steps of the whole batch, so every example's gradient depends on the "
+        "other examples' lengths and clipping no longer bounds one record's influence. "
+        "Remove the mask (e.g. Embedding(mask_zero=False), no ignore_class) and give "
+        "those steps sample weight 0 with a (batch, time) sample_weight instead: the loss "
+        "is then divided by batch * time, which does not depend on the other examples."
     )
 
