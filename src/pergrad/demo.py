@@ -291,6 +291,6 @@ def plot(rows: list[RowResult], path: str) -> str:
                fontsize=8)
     fig.suptitle(f"pergrad demo on digits ({keras.backend.backend()} backend)")
     fig.tight_layout(rect=(0, 0, 0.8, 1))
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # (the legend's long labels included)
     plt.close(fig)
     return path
