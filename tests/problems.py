@@ -64,6 +64,22 @@ class Problem:
         return model
 
 
+class UnsizedBatches(keras.utils.PyDataset):
+    """``x, y`` in unshuffled batches of ``size``, a source whose sizes ``fit()`` cannot see
+    before the steps (arrays are checked up front): a batch a rule refuses reaches its step."""
+
+    def __init__(self, x, y, size):
+        super().__init__()
+        self.x, self.y, self.size = x, y, size
+
+    def __len__(self):
+        return -(-len(self.x) // self.size)
+
+    def __getitem__(self, index):
+        part = slice(index * self.size, (index + 1) * self.size)
+        return self.x[part], self.y[part]
+
+
 def _rng(seed):
     return np.random.default_rng(seed)
 
