@@ -83,7 +83,7 @@ class _Pair:
 
     def reports(self) -> list[dict]:
         failure = self._failure()
-        if failure is not None and self.attempt == 1 and "address already in use" in failure.lower():
+        if failure is not None and self.attempt == 1 and "Failed to start RPC server" in failure:
             self._start()  # another program took the port between the probe and the bind
             failure = self._failure()
         assert failure is None, failure
