@@ -156,7 +156,7 @@ def train_dp(name: str, shard=None, net=None, checkpoint=None, weights=keras.Mod
 
 
 def references() -> dict:
-    """The one-process results: every rule's weights (and the DP runs' epsilons and steps)."""
+    """The one-process results: every rule's weights (and the DP runs' logs and step counts)."""
     report = {rule: [train_fixed(rule)] for rule in FIXED_RULES}
     report.update({rule: list(train_dp(rule)) for rule in DP_RULES})
     return report

@@ -99,7 +99,7 @@ class UserLevelDPGaussian(DPGaussian):
     ``tf.distribute`` replicas (a replica's shard may hold part of a user); exact on
     the statistics, chunked (``microbatch_size``) and materialized paths. JAX's
     ``DataParallel`` runs one step over the whole batch, so nothing splits a user there
-    (not tested on several devices yet).
+    (tested on two processes, a user's examples on both: tests/test_processes.py).
 
     Diagnostics (``diagnostics=True``, not private) count each example with its
     user's norm.
