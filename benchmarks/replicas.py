@@ -422,10 +422,35 @@ def _path(model) -> str:
     return path
 
 
+def jax_step(model, x, y, steps: int, untimed: int = 2) -> dict:
+    """The collectives of ``model``'s compiled train step on the batch ``(x, y)`` (this
+    process's part of it on several processes) and the median time of ``steps`` steps after
+    ``untimed`` ones: Keras's jitted step called directly, the state and the batch placed as
+    ``fit()`` places them. ``model`` has trained on a batch (built and compiled)."""
+    import jax
+    from keras.src.backend.jax.trainer import _distribute_data
+
+    model.make_train_function()
+    # Keras wraps its jitted train step in a function of (state, iterator).
+    jitted = next(c.cell_contents for c in model.train_function.__closure__
+                  if hasattr(c.cell_contents, "lower"))
+    state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                 optimizer_variables=True, metrics_variables=True)
+    data = _distribute_data((x, y, None))
+    found = hlo_collectives(jitted.lower(state, data).compile().as_text())
+    times = []
+    for _ in range(steps + untimed):
+        start = time.perf_counter()
+        _, state = jitted(state, data)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - start)
+    found["step_ms"] = 1e3 * statistics.median(times[untimed:])
+    return found
+
+
 def _jax_rule(rule: str, replicas: int, steps: int) -> dict:
     import jax
     import keras
-    from keras.src.backend.jax.trainer import _distribute_data
 
     keras.distribution.set_distribution(
         keras.distribution.DataParallel(devices=jax.devices()[:replicas]))
@@ -433,21 +458,7 @@ def _jax_rule(rule: str, replicas: int, steps: int) -> dict:
         model = _build(rule)
         x, y = _data()
         model.train_on_batch(x, y)  # builds and compiles, as fit() does
-        model.make_train_function()
-        # Keras wraps its jitted train step in a function of (state, iterator).
-        jitted = next(c.cell_contents for c in model.train_function.__closure__
-                      if hasattr(c.cell_contents, "lower"))
-        state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
-                                     optimizer_variables=True, metrics_variables=True)
-        data = _distribute_data((x, y, None))
-        found = hlo_collectives(jitted.lower(state, data).compile().as_text())
-        times = []
-        for _ in range(steps + 2):
-            start = time.perf_counter()
-            logs, state = jitted(state, data)
-            jax.block_until_ready(state)
-            times.append(time.perf_counter() - start)
-        found["step_ms"] = 1e3 * statistics.median(times[2:])
+        found = jax_step(model, x, y, steps)
         found["path"] = _path(model)
         return found
     finally:

@@ -654,7 +654,13 @@ RULES = {
     "mean": lambda: "mean",
     "clip": lambda: aggregators.clip(0.5),
     "dp_noise_1": lambda: privacy.dp_gaussian(0.5, 1.0, seed=5),
+    # A secret key: each worker draws its own, the noise is added on replica 0 only.
+    "dp_secret": lambda: privacy.dp_gaussian(0.5, 1.0),
+    # Its count is noised on every replica: refused with each worker's own key.
+    "adaptive_secret": lambda: privacy.adaptive_dp_gaussian(0.3, 1.0, expected_batch_size=4.0,
+                                                            count_stddev=1.0),
 }
+COMPARED = ("mean", "clip", "dp_noise_1")
 
 def build(rule, strategy=None):
     with strategy.scope() if strategy else contextlib.nullcontext():
@@ -696,13 +702,25 @@ start = time.time()
 report = {"replicas": strategy.num_replicas_in_sync, "differences": {}, "counts": {}, "sizes": {},
           "digests": {}, "moved": {}}
 single = {}
-for rule in RULES:
+for rule in COMPARED:
     weights, report["counts"][rule], report["sizes"][rule] = train(rule)
     single[rule] = alone(rule)
     report["differences"][rule] = difference(weights, single[rule])
     report["moved"][rule] = difference(single[rule], build(rule)[0].model.get_weights())
     report["digests"][rule] = hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest()
 report["noise"] = difference(single["dp_noise_1"], single["clip"])
+weights, _, _ = train("dp_secret")
+report["digests"]["dp_secret"] = hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest()
+report["refused"] = {}
+try:
+    train("adaptive_secret")
+except ValueError as error:
+    report["refused"]["adaptive_secret"] = str(error)
+problem = problems.dense_mlp(batch=16)
+try:
+    privacy.PoissonSampler(problem.x, problem.y, sampling_rate=0.25)
+except ValueError as error:
+    report["refused"]["sampler"] = str(error)
 report["seconds"] = time.time() - start
 print(json.dumps(report))
 """
@@ -712,7 +730,9 @@ print(json.dumps(report))
 def test_tensorflow_multi_worker_mirrored_strategy():
     # Two worker processes on localhost, one CPU replica each, RING collectives: mean,
     # clip and DP-SGD (noise on) train as one device on the whole batch, pergrad counts
-    # the replicas of both workers, and the workers' weights are identical.
+    # the replicas of both workers, and the workers' weights are identical, with a secret
+    # DP key too. Adaptive clipping with a secret key (each worker's own) and the Poisson
+    # sampler (each worker's own draws) are refused.
     sockets = [socket.socket() for _ in range(2)]
     for s in sockets:
         s.bind(("localhost", 0))
@@ -720,8 +740,14 @@ def test_tensorflow_multi_worker_mirrored_strategy():
     for s in sockets:
         s.close()
     reports = _run_all(_TF_MULTI_WORKER, "tensorflow", [[str(index), ports] for index in range(2)], 400)
-    assert reports[0]["digests"] == reports[1]["digests"]  # one model: same noise, same update
+    # One model: same noise, same update; with secret keys too (the noise is replica 0's).
+    assert reports[0]["digests"] == reports[1]["digests"] and "dp_secret" in reports[0]["digests"]
     for report in reports:
+        # What each worker's own key or draws would break is refused, before any step.
+        refused = report["refused"]
+        assert "AdaptiveDPGaussian with a secret key (seed=None) on 2 TensorFlow workers" in refused.get(
+            "adaptive_secret", ""), refused
+        assert "over the 2 TensorFlow workers" in refused.get("sampler", ""), refused
         assert report["replicas"] == 2
         assert set(report["counts"].values()) == {2}, report["counts"]
         assert all(sizes == [4] * 4 for sizes in report["sizes"].values()), report["sizes"]

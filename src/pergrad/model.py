@@ -10,7 +10,7 @@ import keras
 from keras import ops, tree
 
 from pergrad import aggregators as aggregators_module
-from pergrad import compat, replicas, step, trainers
+from pergrad import compat, processes, replicas, step, trainers
 from pergrad.aggregators.base import split_units
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
@@ -359,6 +359,8 @@ class PerExampleModel(_TrainStep, keras.Model):
         elif "callbacks" in kwargs:
             kwargs["callbacks"] = diagnostics_first(kwargs["callbacks"])
         callbacks = args[3] if len(args) > 3 else kwargs.get("callbacks")
+        # Several processes (hosts): a DP fit needs one model and one Poisson sample.
+        processes.check_fit(self, isinstance(x, PoissonSampler))
         if replicas.count(self) > 1:
             from pergrad.privacy.callbacks import check_budget_on_replicas
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import keras
 from keras import ops, tree
 
-from pergrad import compat, replicas
+from pergrad import compat, processes, replicas
 from pergrad.aggregators.base import (
     LOCAL_MEAN,
     STATISTICS,
@@ -90,6 +90,9 @@ def replica_refusal(wrapper) -> str | None:
     if keras.backend.backend() != "tensorflow":
         return "replicas that each run the train step are supported on TensorFlow only"
     aggregator = wrapper.aggregator
+    refusal = processes.replica_refusal(aggregator)  # several workers: one Python process each
+    if refusal:
+        return refusal
     if aggregator.reads_units:
         return (
             f"{type(aggregator).__name__} clips each user's summed gradient, and a "

@@ -39,6 +39,10 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
   ``value`` outside ``strategy.run``, and on JAX and torch);
   ``unscale_loss(loss)``: undoes the ``1 / R`` that Keras's mean-reduced losses
   carry under a TF strategy with R replicas.
+- ``process_count()``, ``process_index()`` (JAX, TF): the processes of the run
+  (``jax.distributed``; TF: the ``TF_CONFIG`` cluster's workers); ``broadcast_from_first``,
+  ``gather_processes`` and ``data_part(layout)`` (JAX only): host-level collectives over them
+  and the part of every global batch this process feeds (``pergrad.processes``).
 - ``fused(fn)`` (TF only): ``fn`` compiled by XLA, for
   ``pergrad.aggregators.selection``'s sorting network.
 - ``sorted_ranks(x, lo, hi)`` (torch only): ranks ``[lo, hi)`` over axis 0 of a

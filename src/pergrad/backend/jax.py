@@ -3,6 +3,8 @@
 import contextlib
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from pergrad.backend._single_replica import (  # noqa: F401
     all_gather,
@@ -76,3 +78,49 @@ def replicas(model=None):
     no replica runs the step on its own part of the batch."""
     del model
     return 1
+
+
+def process_count():
+    """The JAX processes of this run (``jax.distributed``, which ``keras.distribution.initialize``
+    starts): 1 unless it was initialized with several."""
+    return jax.process_count()
+
+
+def process_index():
+    """This process's index, ``0 .. process_count() - 1``."""
+    return jax.process_index()
+
+
+def broadcast_from_first(values):
+    """Process 0's ``values`` (a NumPy array of the same shape on every process), on every process."""
+    return np.asarray(multihost_utils.broadcast_one_to_all(values))
+
+
+def gather_processes(values):
+    """Every process's ``values`` (a NumPy array of the same shape on each), stacked in
+    process order: shape ``(process_count(), *values.shape)``."""
+    return np.asarray(multihost_utils.process_allgather(values, tiled=False))
+
+
+def data_part(layout):
+    """``(part, parts)``: under the data ``layout`` (a ``keras.distribution.TensorLayout`` of a
+    1-D batch), every global batch is ``parts`` equal contiguous parts and this process feeds
+    part ``part`` (``jax.make_array_from_process_local_data``, which Keras's trainer calls);
+    ``None`` when the layout's devices are not those of every process (each process then runs
+    its own program on its own devices)."""
+    sharding = layout.backend_layout
+    if {device.process_index for device in sharding.device_set} != set(range(jax.process_count())):
+        return None
+    size = jax.device_count()  # a multiple of the batch axis's devices: whole rows on each
+    rows = set()
+    for device, index in sharding.devices_indices_map((size,)).items():
+        if device.process_index == jax.process_index():
+            rows.update(range(size)[index[0]])
+    start, count = min(rows), len(rows)
+    if rows != set(range(start, start + count)) or size % count or start % count:
+        raise ValueError(
+            f"This process's devices hold rows {sorted(rows)} of a batch of {size} under the "
+            "keras.distribution's data layout: not one contiguous part of equal parts. Order the "
+            "mesh's devices by process (keras.distribution.list_devices())."
+        )
+    return start // count, size // count

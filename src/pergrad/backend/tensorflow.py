@@ -348,3 +348,29 @@ def unscale_loss(loss):
     if count <= 1:
         return loss
     return loss * tf.cast(count, loss.dtype)
+
+
+def _cluster():
+    """``(task types in order, this task's index)`` of the ``TF_CONFIG`` cluster, ``None`` without one."""
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    jobs = resolver.cluster_spec().as_dict()
+    if not jobs:
+        return None
+    # MultiWorkerMirroredStrategy's order: the chief (if any), then the workers.
+    spec = resolver.cluster_spec()
+    tasks = [(job, i) for job in ("chief", "worker") if job in jobs for i in range(spec.num_tasks(job))]
+    mine = (resolver.task_type, resolver.task_id)
+    return tasks, tasks.index(mine) if mine in tasks else 0
+
+
+def process_count():
+    """The worker processes of the ``TF_CONFIG`` cluster (the chief included), as
+    ``MultiWorkerMirroredStrategy`` reads them through its cluster resolver; 1 without one."""
+    cluster = _cluster()
+    return 1 if cluster is None else max(1, len(cluster[0]))
+
+
+def process_index():
+    """This worker's index in the ``TF_CONFIG`` cluster (the chief first), 0 without one."""
+    cluster = _cluster()
+    return 0 if cluster is None else cluster[1]

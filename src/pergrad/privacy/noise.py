@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import functools
 import math
-import secrets
 import types
 
 import keras
 import numpy as np
 from keras import ops
 
+from pergrad import processes
 from pergrad.backend import adapter
 
 #: 32-bit words in a key: 256 bits (the two 128-bit halves ``K_a``, ``K_b``).
@@ -58,9 +58,11 @@ _ALIGN = 16
 
 def key_words(seed: int | None, spawn: int) -> np.ndarray:
     """``KEY_WORDS`` random 32-bit words as int32 bit patterns: from :mod:`secrets` with
-    ``seed=None``, else derived from ``(seed, spawn)`` (``numpy.random.SeedSequence``)."""
+    ``seed=None`` (on several JAX processes drawn on process 0 and broadcast:
+    :func:`pergrad.processes.secret_words`), else derived from ``(seed, spawn)``
+    (``numpy.random.SeedSequence``)."""
     if seed is None:
-        words = np.array([secrets.randbits(32) for _ in range(KEY_WORDS)], np.uint32)
+        words = processes.secret_words(KEY_WORDS)
     else:
         words = np.random.SeedSequence(seed, spawn_key=(spawn,)).generate_state(KEY_WORDS, np.uint32)
     return words.view(np.int32)

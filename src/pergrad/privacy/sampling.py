@@ -54,19 +54,32 @@ rounded up to one), which changes nothing for rules that
 ignore padding (``dp_gaussian`` with ``expected_batch_size``, ``sum``); other
 rules divide by the padded size, so for them a ``max_batch_size`` that does not
 divide is refused with the value to pass instead.
+
+**Several hosts.** On N JAX processes (``keras.distribution.initialize``) the global
+batch of step ``t`` is still one Poisson sample of the whole data set, a pure function
+of (seed, ``t``) that does not depend on N, and each process yields its part of it
+(:mod:`pergrad.processes`; docs/multi-device.md, 'Several hosts'). Every process holding
+the whole data set: all draw the same sample and each yields its contiguous share, padded
+to ``padded_size / N`` rows. Each holding a disjoint shard (``dataset_size=`` the whole
+set's size): example ``j`` of the whole set is included when the ``j``-th uniform of the
+step's generator is below ``q``, so each shard samples its own examples and their union
+is the one-process sample; every part is padded to the largest shard's
+``max_batch_size``. A secret seed is drawn on process 0 and broadcast; the processes'
+samplers are checked to agree when they are constructed (a collective: construct them on
+every process).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import secrets
 import threading
 
 import keras
 import numpy as np
 from keras import tree
 
+from pergrad import processes
 from pergrad.aggregators.base import LOCAL_SUM, WHOLE_BATCH
 from pergrad.privacy.dp_sgd import steps_taken
 
@@ -200,6 +213,10 @@ class PoissonSampler(keras.utils.PyDataset):
             seed is for reproducible tests.
         overflow_probability: target per-step overflow probability for the
             default ``max_batch_size``.
+        dataset_size: the whole data set's size when ``x``, ``y`` are this
+            process's disjoint shard of it, on one of several processes
+            (module docstring, 'Several hosts'); ``None``: they are the whole
+            data set. ``max_batch_size`` then bounds this shard's draw.
         **kwargs: ``workers``, ``max_queue_size`` for ``keras.utils.PyDataset``.
     """
 
@@ -215,6 +232,7 @@ class PoissonSampler(keras.utils.PyDataset):
         steps_per_epoch: int | None = None,
         seed: int | None = None,
         overflow_probability: float = 1e-9,
+        dataset_size: int | None = None,
         **kwargs,
     ):
         if kwargs.get("use_multiprocessing"):
@@ -240,13 +258,22 @@ class PoissonSampler(keras.utils.PyDataset):
             sizes.add(len(sample_weight))
         if len(sizes) != 1:
             raise ValueError(f"x, y and sample_weight must share their first axis; got sizes {sizes}.")
-        self.dataset_size = sizes.pop()
-        if self.dataset_size == 0:
+        #: The examples this sampler holds: the whole data set, or this process's shard.
+        self.shard_size = sizes.pop()
+        if self.shard_size == 0:
             raise ValueError("The dataset is empty.")
+        if dataset_size is not None and (isinstance(dataset_size, bool) or int(dataset_size) != dataset_size
+                                         or dataset_size < self.shard_size):
+            raise ValueError(
+                f"dataset_size must be the whole data set's size, an integer of at least this "
+                f"shard's {self.shard_size} examples; got {dataset_size!r}."
+            )
+        #: The examples of the whole data set (``dataset_size``, else those given).
+        self.dataset_size = self.shard_size if dataset_size is None else int(dataset_size)
         self.sample_weight = sample_weight
         self.sampling_rate = float(sampling_rate)
         if max_batch_size is None:
-            max_batch_size = max_batch_size_for(self.dataset_size, self.sampling_rate, overflow_probability)
+            max_batch_size = max_batch_size_for(self.shard_size, self.sampling_rate, overflow_probability)
         if int(max_batch_size) < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size}.")
         self.max_batch_size = int(max_batch_size)
@@ -259,16 +286,34 @@ class PoissonSampler(keras.utils.PyDataset):
             steps_per_epoch = max(1, round(1.0 / self.sampling_rate))
         self.steps_per_epoch = int(steps_per_epoch)
         self.seed = seed
-        self._entropy = seed if seed is not None else secrets.randbits(128)
+        self._entropy = seed if seed is not None else _secret_entropy()
         self._step = 0
         self._lock = threading.Lock()
         self._multiple = 1  # set by `split_for` during a fit on several devices
         self._buckets = True  # `split_for`: False for a rule that counts the padding rows
+        # Several processes: where this shard starts in the whole data set, and the
+        # processes' largest max_batch_size (pergrad.processes.join_sampler).
+        self._processes = processes.count()
+        self._sharded = dataset_size is not None and self._processes > 1
+        self._offset, self._largest = 0, self.max_batch_size
+        if self._processes > 1:
+            self._offset, self._largest = processes.join_sampler(self, self._sharded)
+        elif self.dataset_size != self.shard_size:
+            raise ValueError(
+                f"dataset_size={self.dataset_size} but this one process holds {self.shard_size} "
+                "examples: on one process pass the whole data set (dataset_size is for a shard "
+                "on each of several processes)."
+            )
+        self._part = (0, 1)  # `split_for`: (this process's part, parts) of every global batch
+        self._shard_rows = None  # `split_for`, sharded: the rows of every process's part
 
     @property
     def batch_size(self) -> int:
         """The largest padded batch: ``max_batch_size`` rounded up to a multiple
-        of the devices a ``fit`` on several devices splits them over."""
+        of the devices a ``fit`` on several devices splits them over (the global batch's
+        rows during a ``fit`` on several processes each holding a shard)."""
+        if self._shard_rows is not None:
+            return self._shard_rows * self._part[1]
         return _round_up(self.max_batch_size, self._multiple)
 
     def padded_size(self, drawn: int) -> int:
@@ -276,7 +321,7 @@ class PoissonSampler(keras.utils.PyDataset):
         width (rounded up to a multiple of the devices), at least one bucket, at
         most :attr:`batch_size`; :attr:`batch_size` during a ``fit`` whose rule
         counts the padding rows."""
-        if not self._buckets:
+        if not self._buckets or self._shard_rows is not None:
             return self.batch_size
         width = _round_up(self.bucket_width, self._multiple)
         return min(self.batch_size, _round_up(max(int(drawn), 1), width))
@@ -292,14 +337,17 @@ class PoissonSampler(keras.utils.PyDataset):
         """Pads batches for ``model``'s devices and rule during a ``fit`` (``PerExampleModel.fit``
         uses it): to multiples of ``shards``, the parts ``fit()`` splits each batch into
         (``pergrad.replicas.batch_shards``), and to :attr:`batch_size` for a rule that
-        counts the padding rows.
+        counts the padding rows. On several processes, each process yields its part
+        (module docstring, 'Several hosts').
 
         Raises:
             ValueError: ``max_batch_size`` does not divide over the devices and
-                ``model``'s rule does not ignore padding.
+                ``model``'s rule does not ignore padding; the sampler and the fit disagree
+                on the processes (module docstring).
         """
         aggregator = getattr(model, "aggregator", None)
         sums = getattr(aggregator, "distribution", WHOLE_BATCH) == LOCAL_SUM
+        part = self._process_part(aggregator, sums)
         if self.max_batch_size % shards and not sums:
             multiple = _round_up(self.max_batch_size, shards)
             raise ValueError(
@@ -311,12 +359,43 @@ class PoissonSampler(keras.utils.PyDataset):
                 "device then gives the same result), or use a rule that ignores padding "
                 "(dp_gaussian with expected_batch_size, or sum)."
             )
-        previous = self._multiple, self._buckets
-        self._multiple, self._buckets = shards, sums
+        previous = self._multiple, self._buckets, self._part, self._shard_rows
+        self._multiple, self._buckets, self._part = shards, sums, part
+        if self._sharded:  # one shape on every process: the largest shard's bound
+            self._shard_rows = _round_up(self._largest, max(1, shards // part[1]))
         try:
             yield self
         finally:
-            self._multiple, self._buckets = previous
+            self._multiple, self._buckets, self._part, self._shard_rows = previous
+
+    def _process_part(self, aggregator, sums: bool) -> tuple[int, int]:
+        """``(part, parts)`` of every global batch this process yields during a ``fit``
+        (:func:`pergrad.processes.data_part`), after the checks that need the fit."""
+        now = processes.count()
+        if now != self._processes:
+            raise ValueError(
+                f"This {type(self).__name__} was created on {self._processes} process(es) and "
+                f"trains on {now}: create it after keras.distribution.initialize(...), so that "
+                "the processes draw one sample together."
+            )
+        part = processes.data_part() or (0, 1)  # None: each process trains its own model
+        if self._sharded and part[1] != now:
+            raise ValueError(
+                f"{type(self).__name__}(dataset_size=...) holds one shard per process, so each of "
+                f"the {now} processes must feed its own part of every global batch; the current "
+                f"keras.distribution splits the batch into {part[1]} part(s). Use "
+                "keras.distribution.DataParallel(devices=keras.distribution.list_devices()), or "
+                "give every process the whole data set (without dataset_size)."
+            )
+        if self._sharded and not sums:
+            raise ValueError(
+                f"{type(self).__name__}(dataset_size=...) pads each process's part of the batch to "
+                "the largest shard's max_batch_size, and "
+                f"{type(aggregator).__name__} counts the padding rows, so its result would depend "
+                "on the shards: use a rule that ignores padding (dp_gaussian with "
+                "expected_batch_size, or sum), or give every process the whole data set."
+            )
+        return part
 
     @property
     def step(self) -> int:
@@ -331,7 +410,7 @@ class PoissonSampler(keras.utils.PyDataset):
         with self._lock:
             if self.seed is None and step < self._step:
                 # A restore: never repeat the draws of the run it replaces.
-                self._entropy = secrets.randbits(128)
+                self._entropy = _secret_entropy()
             self._step = step
 
     def with_step_callback(self, callbacks=None):
@@ -353,8 +432,14 @@ class PoissonSampler(keras.utils.PyDataset):
         return np.random.default_rng(np.random.SeedSequence(self._entropy, spawn_key=(int(step),)))
 
     def indices_for_step(self, step: int) -> np.ndarray:
-        """The Poisson sample of global step ``step``: a pure function of (seed, step)."""
-        return np.flatnonzero(self.generator_for_step(step).random(self.dataset_size) < self.sampling_rate)
+        """The Poisson sample of global step ``step``: a pure function of (seed, step). For a
+        shard (``dataset_size``), its examples of that sample: example ``i`` of the whole
+        data set is included when the ``i``-th uniform of the step's generator is below
+        ``q``, whichever process holds it."""
+        generator = self.generator_for_step(step)
+        if self._offset:  # the uniforms of this shard's examples: skip those before it
+            generator.bit_generator.advance(self._offset)
+        return np.flatnonzero(generator.random(self.shard_size) < self.sampling_rate)
 
     @property
     def expected_batch_size(self) -> float:
@@ -380,17 +465,33 @@ class PoissonSampler(keras.utils.PyDataset):
         return indices
 
     def __getitem__(self, index):
-        indices = self.sample_indices()
-        size = self.padded_size(len(indices))
+        indices, size = self.local_part(self.sample_indices())
         rows = np.concatenate([indices, np.zeros(size - len(indices), dtype=indices.dtype)])
         weights = np.zeros(size, dtype="float32")
         weights[: len(indices)] = 1.0 if self.sample_weight is None else self.sample_weight[indices]
         return self.inputs(rows, len(indices)), tree.map_structure(lambda a: a[rows], self.y), weights
 
+    def local_part(self, indices: np.ndarray) -> tuple[np.ndarray, int]:
+        """``(examples, rows)``: this process's examples of the draw ``indices`` and the rows
+        of its part of the batch (padding after them). One process: all of them, in
+        :meth:`padded_size` rows. Several, each holding the whole data set: its contiguous
+        share of the one global sample (:func:`pergrad.processes.part_of_sample`), in
+        ``padded_size / parts`` rows. Several, each holding a shard: its shard's draw, in as
+        many rows as every other process's part."""
+        if self._shard_rows is not None:
+            return indices, self._shard_rows
+        part, parts = self._part
+        return processes.part_of_sample(indices, part, parts), self.padded_size(len(indices)) // parts
+
     def inputs(self, rows: np.ndarray, drawn: int):
         """The batch's ``x``: the rows ``rows`` of the inputs, the first ``drawn`` of them
         sampled and the rest padding."""
         return tree.map_structure(lambda a: a[rows], self.x)
+
+
+def _secret_entropy() -> int:
+    """128 secret bits, the same on every process (:func:`pergrad.processes.secret_words`)."""
+    return int.from_bytes(processes.secret_words(4).tobytes(), "little")
 
 
 def _round_up(value: int, multiple: int) -> int:

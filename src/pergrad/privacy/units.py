@@ -99,7 +99,7 @@ class UserLevelDPGaussian(DPGaussian):
     ``tf.distribute`` replicas (a replica's shard may hold part of a user); exact on
     the statistics, chunked (``microbatch_size``) and materialized paths. JAX's
     ``DataParallel`` runs one step over the whole batch, so nothing splits a user there
-    (not tested on several devices yet).
+    (tested on two processes, a user's examples on both: tests/test_processes.py).
 
     Diagnostics (``diagnostics=True``, not private) count each example with its
     user's norm.
@@ -239,6 +239,12 @@ class UserSampler(PoissonSampler):
     def __init__(self, x, y, *, users, sampling_rate: float, examples_per_user: int,
                  sample_weight=None, max_batch_size: int | None = None,
                  bucket_width: int | None = None, overflow_probability: float = 1e-9, **kwargs):
+        if kwargs.get("dataset_size") is not None:
+            raise ValueError(
+                "UserSampler draws each user from the whole data set, every process holding all "
+                "of it: dataset_size (a shard per process) is not supported. Give every process "
+                "the whole data set."
+            )
         users = np.asarray(users)
         if users.ndim != 1:
             raise ValueError(f"users must have shape (n,), one id per example; got {users.shape}.")
