@@ -196,6 +196,14 @@ def recording_variable_reads(record):
                 _patch["original"] = None
 
 
+def rnn(step_function, inputs, initial_states, **kwargs):
+    """``keras.src.backend.rnn``: the time loop Keras's recurrent layers run (its masking,
+    ``go_backwards`` and unrolling), for the recurrent layer rules."""
+    from keras.src import backend
+
+    return backend.rnn(step_function, inputs, initial_states, **kwargs)
+
+
 def data_adapter(x, y=None, sample_weight=None, batch_size=None):
     """``keras.src.trainers.data_adapters.get_data_adapter``: what ``fit()`` iterates
     (arrays, ``tf.data``, generators, ``PyDataset``, a torch ``DataLoader``), unshuffled."""
