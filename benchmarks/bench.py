@@ -32,6 +32,8 @@ Suites (``--suite``; ``--models`` and ``--variants`` override a suite's choice):
   pair on torch), 2 rounds;
 - ``lm``: ``gpt8`` and ``lora8`` (``--quick``: ``gpt2``, ``lora2``) with plain,
   pergrad mean, clip and dp, and pergrad-mat clip (keras-hub needed);
+- ``rnn``: the recurrent models ``lstm64`` and ``gru64`` (``--quick``: ``lstm8``,
+  ``gru8``) with the same rows as ``lm``;
 - ``coordinate``: the coordinate rules on ``mlp64``, ``mlp256`` and ``cnn64``
   (``--quick``: ``mlp16``, ``cnn16``): plain, jacobian median (the CNN and MLPs
   up to B=64: on mlp256 it took 4-9 s per step), pergrad-mat median, and pergrad
@@ -77,7 +79,9 @@ COORDINATE_MODELS = ("mlp64", "mlp256", "cnn64")
 COORDINATE_QUICK_MODELS = ("mlp16", "cnn16")
 LM_MODELS = ("gpt8", "lora8")  # keras-hub
 LM_QUICK_MODELS = ("gpt2", "lora2")
-SUITES = ("default", "coordinate", "lm")
+RNN_MODELS = ("lstm64", "gru64")
+RNN_QUICK_MODELS = ("lstm8", "gru8")
+SUITES = ("default", "coordinate", "lm", "rnn")
 
 
 def suite_models(suite: str, quick: bool) -> tuple[str, ...]:
@@ -86,6 +90,8 @@ def suite_models(suite: str, quick: bool) -> tuple[str, ...]:
         return COORDINATE_QUICK_MODELS if quick else COORDINATE_MODELS
     if suite == "lm":
         return LM_QUICK_MODELS if quick else LM_MODELS
+    if suite == "rnn":
+        return RNN_QUICK_MODELS if quick else RNN_MODELS
     return QUICK_MODELS if quick else DEFAULT_MODELS
 
 
@@ -140,10 +146,12 @@ def parse_args(argv=None):
                         "pergrad-mat median, pergrad " + "/".join(recipes.COORDINATE_AGGREGATIONS)
                         + ") on " + ",".join(COORDINATE_MODELS) + " (quick: "
                         + ",".join(COORDINATE_QUICK_MODELS) + "); lm: the language models "
-                        + ",".join(LM_MODELS) + " (keras-hub; quick: " + ",".join(LM_QUICK_MODELS) + ")")
+                        + ",".join(LM_MODELS) + " (keras-hub; quick: " + ",".join(LM_QUICK_MODELS)
+                        + "); rnn: the recurrent models " + ",".join(RNN_MODELS) + " (quick: "
+                        + ",".join(RNN_QUICK_MODELS) + ")")
     parser.add_argument("--models", default=None,
-                        help="comma list of mlp<B>/cnn<B>/tfm<B>/gpt<B>/lora<B>/llama<B>/bert<B> "
-                        "(default: the suite's)")
+                        help="comma list of mlp<B>/cnn<B>/tfm<B>/gpt<B>/lora<B>/llama<B>/bert<B>/"
+                        "lstm<B>/gru<B> (default: the suite's)")
     parser.add_argument("--aggregations", default=",".join(recipes.DEFAULT_AGGREGATIONS),
                         help="the default suite's aggregations (default %(default)s; also "
                         + ",".join(a for a in recipes.AGGREGATIONS
