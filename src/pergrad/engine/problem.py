@@ -260,7 +260,9 @@ class PerExampleProblem:
         aux = {
             "loss": loss,
             "y_pred": tree.map_structure(lambda t: ops.squeeze(t, 0), y_pred),
-            "seeds": [scope.get_current_value(compat.non_trainable_variables(self.model)[p])
+            # (unrecorded: a seed state only read here, a recurrent cell's without dropout,
+            # draws nothing, engine.plan)
+            "seeds": [compat.unrecorded_value(scope, compat.non_trainable_variables(self.model)[p])
                       for p in self.seed_positions],
         }
         if masks:

@@ -14,9 +14,9 @@ the same weighted sums ``A^T diag(w) D`` and row maps (:mod:`pergrad.layer_rules
 
 - ``reset_after=True`` (Keras's default, cuDNN's): the reset gate multiplies the
   candidate's recurrent term ``h_{t-1} U_h + b_{h,rec}``, so the recurrent projection's
-  gradient differs from the input projection's in the candidate's columns. The probe
-  covers both projections (``(T, 6 units)``): ``W`` from the first half, ``U`` from the
-  second, the bias ``(2, 3 units)`` their sums;
+  gradient is ``delta_t`` in the update and reset gates' columns and ``r_t * delta_t`` in
+  the candidate's (the loop records ``r_t``); the bias ``(2, 3 units)`` is the sums of the
+  two projections' gradients;
 - ``reset_after=False``: the candidate's recurrent input is ``r_t * h_{t-1}``: ``U``'s
   update and reset columns get ``sum_t h_{t-1}^T delta_t``, its candidate columns
   ``sum_t (r_t h_{t-1})^T delta_t`` — one Dense gradient over 2T positions, each block
@@ -27,7 +27,7 @@ The rule's forward runs the recurrence itself, through Keras's own time loop
 ``unroll`` and ``zero_output_for_mask``), with the input projection of every step
 computed before the loop and the probe added to it (``(B, T, gates)``): the gradient
 there is every step's ``delta_t``. The loop's first state carries ``h_{t-1}`` (and GRU's
-``r_t h_{t-1}``) next to ``h_t``, so that a masked step keeps them as Keras keeps its
+``r_t`` or ``r_t h_{t-1}``) next to ``h_t``, so that a masked step keeps them as Keras keeps its
 state, and the statistics receive ``[x_t, h_{t-1}]`` for every step. Input dropout (one
 mask per example and sequence, drawn as Keras draws it) scales ``x``; SimpleRNN's
 recurrent dropout scales ``h_{t-1}``. Opacus gets the same gradients by re-implementing
@@ -159,25 +159,22 @@ class _GRU(_Cell):
     def projection(self, cell, x, weights):
         kernel, _, bias = weights
         z = ops.matmul(x, kernel)
-        if not cell.reset_after:
-            return z if bias is None else z + bias
-        if bias is not None:
-            z = z + bias[0]
-        # The recurrent projection's probe: zeros added inside the loop.
-        return ops.concatenate([z, ops.zeros_like(z)], axis=-1)
+        if bias is None:
+            return z
+        return z + (bias[0] if cell.reset_after else bias)
 
     def step(self, cell, weights, p, h, states, recurrent_mask):
         units = cell.units
         _, recurrent, bias = weights
         act, gate = cell.activation, cell.recurrent_activation
         if cell.reset_after:
-            inner = ops.matmul(h, recurrent) + p[:, 3 * units:]
+            inner = ops.matmul(h, recurrent)
             if bias is not None:
                 inner = inner + bias[1]
             z = gate(p[:, :units] + inner[:, :units])
             r = gate(p[:, units:2 * units] + inner[:, units:2 * units])
-            candidate = act(p[:, 2 * units:3 * units] + r * inner[:, 2 * units:])
-            recorded = [h]
+            candidate = act(p[:, 2 * units:] + r * inner[:, 2 * units:])
+            recorded = [h, r]
         else:
             inner = ops.matmul(h, recurrent[:, :2 * units])
             z = gate(p[:, :units] + inner[:, :units])
@@ -190,17 +187,20 @@ class _GRU(_Cell):
     def pieces(self, cell, inputs, delta, width):
         units = cell.units
         x = inputs[..., :width]
-        h = inputs[..., width:width + units]
+        h, recorded = inputs[..., width:width + units], inputs[..., width + units:]
         if cell.reset_after:
-            return [(x, delta[..., :3 * units]), (h, delta[..., 3 * units:]), (None, delta)]
-        reset = inputs[..., width + units:]
+            # The recurrent projection's gradient: the update and reset gates' delta, and r_t
+            # times the candidate's.
+            inner = ops.concatenate([delta[..., :2 * units], recorded * delta[..., 2 * units:]], axis=-1)
+            return [(x, delta), (h, inner), (None, ops.concatenate([delta, inner], axis=-1))]
+        reset = recorded
         recurrent = (ops.concatenate([h, reset], axis=1),
                      ops.concatenate([_columns(delta, 0, 2 * units), _columns(delta, 2 * units, 3 * units)],
                                      axis=1))
         return [(x, delta), recurrent, (None, delta)]
 
     def recorded_count(self, cell) -> int:
-        return 1 if cell.reset_after else 2  # h_{t-1}, and r_t h_{t-1}
+        return 2  # h_{t-1}, and r_t (reset_after) or r_t h_{t-1}
 
 
 _CELLS = (_LSTM(), _GRU(), _SimpleRNN())
