@@ -44,9 +44,11 @@ Suites (``--suite``; ``--models`` and ``--variants`` override a suite's choice):
 On TensorFlow the run sets ``TF_ENABLE_ONEDNN_OPTS=0`` (unless already set)
 whenever a ``tfm``, ``gpt``, ``lora``, ``llama`` or ``bert`` model is in it (``process.py``); the
 header says which. Threads: one per backend by default (``--threads 0``: the
-backends' defaults). ``--memory`` (or ``--memory-only``, without the timing
-rounds) runs each (model, variant) again in a fresh process of this script
-(``--memory-child``) and reports its peak RSS (``runner.py``): 5-15 s each.
+backends' defaults). ``--clock cpu`` times steps by the process's CPU time
+instead of the wall clock (on a machine other processes load). ``--memory``
+(or ``--memory-only``, without the timing rounds) runs each (model, variant)
+again in a fresh process of this script (``--memory-child``) and reports its
+peak RSS (``runner.py``): 5-15 s each.
 
 ``--json FILE`` writes the rows (the plain row also carries the model's
 ``batch``, ``parameters`` and ``largest_variable``) with the header's facts
@@ -188,6 +190,10 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads per backend (default 1: stable on a shared machine; "
                         "0 = the backends' own defaults)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time steps by the wall clock (default) or by this process's CPU "
+                        "time (its threads'), which a loaded machine's other processes do not "
+                        "inflate")
     parser.add_argument("--malloc-tuning", action="store_true",
                         help="diagnostic: keep freed memory in the process (glibc mallopt; starting "
                         "with MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647 "
@@ -231,6 +237,8 @@ def main(argv=None):
     if BACKEND == "torch" and recipes.opacus is None:
         log("opacus not installed: no Opacus rows (pip install opacus to add them)")
     process.configure_threads(args.threads)
+    if args.clock == "cpu":
+        runner.CLOCK = time.process_time
     start = time.perf_counter()
     rows = []
     for key in args.models:

@@ -14,7 +14,7 @@ import keras
 from keras import ops, tree
 
 from pergrad import compat
-from pergrad.backend import adapter, eager
+from pergrad.backend import adapter, eager, traced_apart
 from pergrad.layer_rules import rule_for
 from pergrad.layer_rules.base import OutputRule, replaced_attribute
 from pergrad.tensors import is_float
@@ -259,8 +259,8 @@ def mark_whole_batch(problem, plan, trainable_values, batched, shared):
 
 def cached_plan(problem, trainable_values, batched, shared) -> Plan:
     """The plan; made once per trace, or once per input signature and variables where steps run eagerly."""
-    if not eager():
-        return make_plan(problem, trainable_values, batched, shared)
+    if not eager():  # (a graph's dry run apart from the step's graph, which would run it)
+        return traced_apart(lambda: make_plan(problem, trainable_values, batched, shared))
     model = problem.model
     key = (
         tuple(id(v) for v in compat.trainable_variables(model)),

@@ -20,7 +20,7 @@ import keras
 from keras import ops, tree
 
 from pergrad import compat, replicas
-from pergrad.backend import adapter
+from pergrad.backend import adapter, traced_apart
 from pergrad.tensors import scale_rows
 
 # Per-example RNG streams: example i draws from the seed state offset by
@@ -296,6 +296,12 @@ class PerExampleProblem:
         vectorized pass: what pergrad refuses is refused here, on every engine path."""
         if self._checked:
             return
+        # Apart from a step's trace (TensorFlow), which would keep this forward pass's while
+        # loops (an RNN's) and run them at every step.
+        traced_apart(lambda: self._check(x, y))
+        self._checked = True
+
+    def _check(self, x, y):
         # Tensors, as Keras gives a loss: a NumPy target minus a torch tensor fails.
         first = map_optional(lambda t: ops.convert_to_tensor(t)[:1], x)
         # In training mode, as the per-example pass runs, in a scope of its own: nothing
@@ -319,7 +325,6 @@ class PerExampleProblem:
         if y_first is not None and not getattr(self.compile_loss, "built", True):
             with keras.StatelessScope():  # builds the loss container outside any trace
                 self.compile_loss(y_first, y_pred, None)
-        self._checked = True
 
     # -- public entry point ---------------------------------------------------------
 

@@ -167,20 +167,23 @@ class _GRU(_Cell):
         units = cell.units
         _, recurrent, bias = weights
         act, gate = cell.activation, cell.recurrent_activation
+        # (splits, not slices: on TensorFlow each slice's gradient is a tensor of the
+        # whole's size, in every step)
+        p_z, p_r, p_h = ops.split(p, 3, axis=-1)
         if cell.reset_after:
             inner = ops.matmul(h, recurrent)
             if bias is not None:
                 inner = inner + bias[1]
-            z = gate(p[:, :units] + inner[:, :units])
-            r = gate(p[:, units:2 * units] + inner[:, units:2 * units])
-            candidate = act(p[:, 2 * units:] + r * inner[:, 2 * units:])
+            inner_z, inner_r, inner_h = ops.split(inner, 3, axis=-1)
+            z, r = gate(p_z + inner_z), gate(p_r + inner_r)
+            candidate = act(p_h + r * inner_h)
             recorded = [h, r]
         else:
-            inner = ops.matmul(h, recurrent[:, :2 * units])
-            z = gate(p[:, :units] + inner[:, :units])
-            r = gate(p[:, units:2 * units] + inner[:, units:])
+            gates, candidate_kernel = ops.split(recurrent, [2 * units], axis=-1)
+            inner_z, inner_r = ops.split(ops.matmul(h, gates), 2, axis=-1)
+            z, r = gate(p_z + inner_z), gate(p_r + inner_r)
             reset = r * h
-            candidate = act(p[:, 2 * units:] + ops.matmul(reset, recurrent[:, 2 * units:]))
+            candidate = act(p_h + ops.matmul(reset, candidate_kernel))
             recorded = [h, reset]
         return z * h + (1 - z) * candidate, [], recorded
 
@@ -266,7 +269,7 @@ class RecurrentRule(LayerRule):
 
         def step(p, carried):
             # carried[0] is [h_t, what step t recorded]: Keras masks it as its own h state.
-            h = carried[0][:, :units]
+            h = ops.split(carried[0], [units], axis=-1)[0]
             new, others, recorded = kind.step(cell, weights, p, h, list(carried[1:]), recurrent_mask)
             joined = ops.concatenate([new] + recorded, axis=-1)
             return joined, [joined] + others
