@@ -32,6 +32,8 @@ Suites (``--suite``; ``--models`` and ``--variants`` override a suite's choice):
   pair on torch), 2 rounds;
 - ``lm``: ``gpt8`` and ``lora8`` (``--quick``: ``gpt2``, ``lora2``) with plain,
   pergrad mean, clip and dp, and pergrad-mat clip (keras-hub needed);
+- ``rnn``: the recurrent models ``lstm64`` and ``gru64`` (``--quick``: ``lstm8``,
+  ``gru8``) with the same rows as ``lm``;
 - ``coordinate``: the coordinate rules on ``mlp64``, ``mlp256`` and ``cnn64``
   (``--quick``: ``mlp16``, ``cnn16``): plain, jacobian median (the CNN and MLPs
   up to B=64: on mlp256 it took 4-9 s per step), pergrad-mat median, and pergrad
@@ -42,9 +44,11 @@ Suites (``--suite``; ``--models`` and ``--variants`` override a suite's choice):
 On TensorFlow the run sets ``TF_ENABLE_ONEDNN_OPTS=0`` (unless already set)
 whenever a ``tfm``, ``gpt``, ``lora``, ``llama`` or ``bert`` model is in it (``process.py``); the
 header says which. Threads: one per backend by default (``--threads 0``: the
-backends' defaults). ``--memory`` (or ``--memory-only``, without the timing
-rounds) runs each (model, variant) again in a fresh process of this script
-(``--memory-child``) and reports its peak RSS (``runner.py``): 5-15 s each.
+backends' defaults). ``--clock cpu`` times steps by the process's CPU time
+instead of the wall clock (on a machine other processes load). ``--memory``
+(or ``--memory-only``, without the timing rounds) runs each (model, variant)
+again in a fresh process of this script (``--memory-child``) and reports its
+peak RSS (``runner.py``): 5-15 s each.
 
 ``--json FILE`` writes the rows (the plain row also carries the model's
 ``batch``, ``parameters`` and ``largest_variable``) with the header's facts
@@ -77,7 +81,9 @@ COORDINATE_MODELS = ("mlp64", "mlp256", "cnn64")
 COORDINATE_QUICK_MODELS = ("mlp16", "cnn16")
 LM_MODELS = ("gpt8", "lora8")  # keras-hub
 LM_QUICK_MODELS = ("gpt2", "lora2")
-SUITES = ("default", "coordinate", "lm")
+RNN_MODELS = ("lstm64", "gru64")
+RNN_QUICK_MODELS = ("lstm8", "gru8")
+SUITES = ("default", "coordinate", "lm", "rnn")
 
 
 def suite_models(suite: str, quick: bool) -> tuple[str, ...]:
@@ -86,6 +92,8 @@ def suite_models(suite: str, quick: bool) -> tuple[str, ...]:
         return COORDINATE_QUICK_MODELS if quick else COORDINATE_MODELS
     if suite == "lm":
         return LM_QUICK_MODELS if quick else LM_MODELS
+    if suite == "rnn":
+        return RNN_QUICK_MODELS if quick else RNN_MODELS
     return QUICK_MODELS if quick else DEFAULT_MODELS
 
 
@@ -140,10 +148,12 @@ def parse_args(argv=None):
                         "pergrad-mat median, pergrad " + "/".join(recipes.COORDINATE_AGGREGATIONS)
                         + ") on " + ",".join(COORDINATE_MODELS) + " (quick: "
                         + ",".join(COORDINATE_QUICK_MODELS) + "); lm: the language models "
-                        + ",".join(LM_MODELS) + " (keras-hub; quick: " + ",".join(LM_QUICK_MODELS) + ")")
+                        + ",".join(LM_MODELS) + " (keras-hub; quick: " + ",".join(LM_QUICK_MODELS)
+                        + "); rnn: the recurrent models " + ",".join(RNN_MODELS) + " (quick: "
+                        + ",".join(RNN_QUICK_MODELS) + ")")
     parser.add_argument("--models", default=None,
-                        help="comma list of mlp<B>/cnn<B>/tfm<B>/gpt<B>/lora<B>/llama<B>/bert<B> "
-                        "(default: the suite's)")
+                        help="comma list of mlp<B>/cnn<B>/tfm<B>/gpt<B>/lora<B>/llama<B>/bert<B>/"
+                        "lstm<B>/gru<B> (default: the suite's)")
     parser.add_argument("--aggregations", default=",".join(recipes.DEFAULT_AGGREGATIONS),
                         help="the default suite's aggregations (default %(default)s; also "
                         + ",".join(a for a in recipes.AGGREGATIONS
@@ -180,6 +190,10 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads per backend (default 1: stable on a shared machine; "
                         "0 = the backends' own defaults)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time steps by the wall clock (default) or by this process's CPU "
+                        "time (its threads'), which a loaded machine's other processes do not "
+                        "inflate")
     parser.add_argument("--malloc-tuning", action="store_true",
                         help="diagnostic: keep freed memory in the process (glibc mallopt; starting "
                         "with MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647 "
@@ -223,6 +237,8 @@ def main(argv=None):
     if BACKEND == "torch" and recipes.opacus is None:
         log("opacus not installed: no Opacus rows (pip install opacus to add them)")
     process.configure_threads(args.threads)
+    if args.clock == "cpu":
+        runner.CLOCK = time.process_time
     start = time.perf_counter()
     rows = []
     for key in args.models:

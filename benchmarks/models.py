@@ -24,7 +24,12 @@ any batch size B:
   head), per-token loss as ``gpt<B>``;
 - ``bert<B>``: keras-hub's ``BertTextClassifier`` (``BertBackbone`` of the same
   sizes: token, segment and position embeddings, post-LayerNorm) on 10 classes, one
-  label per example.
+  label per example;
+- ``lstm<B>``: keras.io's bidirectional LSTM text classifier, one layer: token ids
+  (B, 64) from a vocabulary of 1000 -> Embedding(1000, 64) -> Bidirectional(LSTM(32))
+  -> Dense(10);
+- ``gru<B>``: a time-series regressor: (B, 64, 8) floats -> GRU(32) -> Dense(1),
+  mean squared error on one target per example.
 
 The language models need keras-hub (a dev requirement).
 """
@@ -46,6 +51,9 @@ LM_KINDS = ("gpt", "lora", "llama")
 #: the keras-hub models (``--suite lm``'s rows)
 HUB_KINDS = LM_KINDS + ("bert",)
 LM_VOCAB, LM_SEQUENCE, LM_WIDTH, LM_LAYERS, LM_HEADS, LM_FFN, LORA_RANK = 8192, 128, 64, 2, 2, 256, 4
+# the recurrent models (``--suite rnn``): the LSTM classifier reads the transformer's tokens
+RNN_KINDS = ("lstm", "gru")
+RNN_UNITS, SERIES_FEATURES = 32, 8
 
 # the rules' parameters, the same in every variant of a rule (pergrad's, the recipes', the peers')
 CLIP_NORM = 1.0
@@ -57,11 +65,11 @@ BUCKET_SIZE = 8  # bucketing(BUCKET_SIZE, median())
 
 def parse_model(key: str) -> tuple[str, int]:
     """``"mlp64"`` -> ``("mlp", 64)``: the architecture and the batch size."""
-    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora|llama|bert)(\d+)", key)
+    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora|llama|bert|lstm|gru)(\d+)", key)
     if not match:
         raise ValueError(
             f"unknown model {key!r}: use mlp<batch>, cnn<batch>, tfm<batch>, gpt<batch>, "
-            "lora<batch>, llama<batch> or bert<batch>, e.g. mlp64, tfm64, gpt8"
+            "lora<batch>, llama<batch>, bert<batch>, lstm<batch> or gru<batch>, e.g. mlp64, tfm64, gpt8"
         )
     return match.group(1), int(match.group(2))
 
@@ -76,6 +84,8 @@ def build_model(kind: str) -> keras.Model:
         return build_llama()
     if kind == "bert":
         return build_bert()
+    if kind in RNN_KINDS:
+        return build_recurrent(kind)
     if kind == "mlp":
         layers = [
             keras.Input((784,)),
@@ -154,6 +164,18 @@ def build_bert() -> keras.Model:
                                                dropout=0.0, name="bert")
 
 
+def build_recurrent(kind: str) -> keras.Model:
+    """``lstm``: Embedding(1000, 64) of (B, 64) ids -> Bidirectional(LSTM(32)) -> Dense(10);
+    ``gru``: (B, 64, 8) floats -> GRU(32) -> Dense(1)."""
+    if kind == "lstm":
+        layers = [keras.Input((SEQUENCE,), dtype="int32"), keras.layers.Embedding(VOCAB, WIDTH),
+                  keras.layers.Bidirectional(keras.layers.LSTM(RNN_UNITS)), keras.layers.Dense(CLASSES)]
+    else:
+        layers = [keras.Input((SEQUENCE, SERIES_FEATURES)), keras.layers.GRU(RNN_UNITS),
+                  keras.layers.Dense(1)]
+    return keras.Sequential(layers, name=kind)
+
+
 def make_data(kind: str, batch_size: int):
     rng = np.random.default_rng(SEED)
     if kind == "bert":
@@ -166,7 +188,11 @@ def make_data(kind: str, batch_size: int):
         tokens = rng.integers(0, LM_VOCAB, size=(batch_size, LM_SEQUENCE + 1)).astype("int32")
         x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((batch_size, LM_SEQUENCE), "int32")}
         return keras.tree.map_structure(ops.convert_to_tensor, x), ops.convert_to_tensor(tokens[:, 1:])
-    if kind == "tfm":
+    if kind == "gru":
+        x = rng.normal(size=(batch_size, SEQUENCE, SERIES_FEATURES)).astype("float32")
+        y = rng.normal(size=(batch_size, 1)).astype("float32")
+        return ops.convert_to_tensor(x), ops.convert_to_tensor(y)
+    if kind in ("tfm", "lstm"):
         x = rng.integers(0, VOCAB, size=(batch_size, SEQUENCE)).astype("int32")
     else:
         shape = (batch_size, 784) if kind == "mlp" else (batch_size, 28, 28, 1)
@@ -182,12 +208,18 @@ def model_sizes(key: str) -> dict:
     return dict(batch=batch_size, parameters=sum(sizes), largest_variable=max(sizes))
 
 
-def example_losses(y, logits):
+def example_losses(y, logits, kind: str = "mlp"):
     """The unreduced per-example loss vector, shape (B,)."""
+    if kind == "gru":
+        return keras.losses.mean_squared_error(y, logits)
     return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
 
 
-def new_loss():
+def new_loss(kind: str = "mlp"):
+    """``kind``'s loss: mean squared error for the regressor, else sparse categorical
+    cross-entropy from logits."""
+    if kind == "gru":
+        return keras.losses.MeanSquaredError()
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 

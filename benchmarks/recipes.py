@@ -60,6 +60,7 @@ from models import (
     LEARNING_RATE,
     LM_KINDS,
     NOISE_MULTIPLIER,
+    RNN_KINDS,
     SEED,
     TRIM,
     build_model,
@@ -85,7 +86,7 @@ COORDINATE_AGGREGATIONS = ("median", "trimmed", "meamed", "signs", "bucketmedian
 #: ``--quick``'s rows
 QUICK_VARIANTS = ("plain", "vmap clip", "pergrad median", "pergrad clip", "pergrad krum")
 QUICK_OPACUS = ("opacus clip", "opacus-plain")
-#: ``--suite lm``'s rows
+#: ``--suite lm``'s rows, and the recurrent models' (``--suite rnn``)
 LM_VARIANTS = ("plain", "pergrad mean", "pergrad clip", "pergrad dp", "pergrad-mat clip")
 #: the largest MLP batch with a ``jacobian median`` row in ``--suite coordinate``: that row
 #: took 0.6-1.6 s per step on mlp64 and 4.4-9.3 s on mlp256 (2-core machine)
@@ -170,10 +171,11 @@ def describe_aggregations() -> str:
 class RecipeModel(keras.Model):
     """Wraps ``inner``; ``train_step`` computes per-example gradients by ``recipe``."""
 
-    def __init__(self, inner, recipe: str, aggregation: str, **kwargs):
+    def __init__(self, inner, recipe: str, aggregation: str, kind: str = "mlp", **kwargs):
         super().__init__(name=f"{recipe}_{aggregation}", **kwargs)
         self.inner = inner
         self.recipe = recipe
+        self.kind = kind
         self.aggregate = RECIPE_AGGREGATE[aggregation]
         self.built = True
 
@@ -192,14 +194,14 @@ if BACKEND == "tensorflow":
             variables = self.inner.trainable_variables
             if self.recipe == "jacobian":
                 with tf.GradientTape() as tape:
-                    losses = example_losses(y, self.inner(x, training=True))
+                    losses = example_losses(y, self.inner(x, training=True), self.kind)
                 grads = tape.jacobian(losses, variables)
             else:
 
                 def single(example):
                     xi, yi = example
                     with tf.GradientTape() as tape:
-                        loss = example_losses(yi[None], self.inner(xi[None], training=True))[0]
+                        loss = example_losses(yi[None], self.inner(xi[None], training=True), self.kind)[0]
                     return tape.gradient(loss, variables)
 
                 grads = tf.vectorized_map(single, (x, y))
@@ -219,14 +221,14 @@ elif BACKEND == "jax":
 
                 def losses(values):
                     logits, _ = inner.stateless_call(values, non_trainable, x, training=True)
-                    return example_losses(y, logits)
+                    return example_losses(y, logits, self.kind)
 
                 grads = jax.jacrev(losses)(trainable)
             else:
 
                 def loss(values, xi, yi):
                     logits, _ = inner.stateless_call(values, non_trainable, xi[None], training=True)
-                    return example_losses(yi[None], logits)[0]
+                    return example_losses(yi[None], logits, self.kind)[0]
 
                 grads = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(trainable, x, y)
             trainable, optimizer_variables = self.optimizer.stateless_apply(
@@ -257,7 +259,7 @@ else:
 
                 def losses(values):
                     logits, _ = inner.stateless_call(values, non_trainable, x, training=True)
-                    return example_losses(y, logits)
+                    return example_losses(y, logits, self.kind)
 
                 with torch.enable_grad():
                     grads = torch.func.jacrev(losses)(values)
@@ -265,7 +267,7 @@ else:
 
                 def loss(values, xi, yi):
                     logits, _ = inner.stateless_call(values, non_trainable, xi[None], training=True)
-                    return example_losses(yi[None], logits)[0]
+                    return example_losses(yi[None], logits, self.kind)[0]
 
                 vectorized = torch.func.vmap(
                     torch.func.grad(loss), in_dims=(None, 0, 0), randomness="different"
@@ -374,6 +376,8 @@ def split_variant(name: str) -> tuple[str, str]:
 def unsupported(name: str, kind: str) -> str | None:
     """Why variant ``name`` cannot run on a ``kind`` model here, or None."""
     recipe, aggregation = split_variant(name)
+    if recipe in peers.RECIPES and kind in RNN_KINDS:
+        return "no peer twin of the recurrent models"
     if recipe in peers.RECIPES:
         return peers.unsupported(recipe, aggregation, BACKEND)
     if recipe in ("opacus", "opacus-plain"):
@@ -414,8 +418,8 @@ def make_variant(name: str, kind: str) -> keras.Model:
             kwargs = {"path": PERGRAD_PATHS[recipe]} if HAS_PATH else {}
             model = pergrad.PerExampleModel(inner, pergrad_aggregator(aggregation), **kwargs)
         else:
-            model = Recipe(inner, recipe, aggregation)
-    model.compile(optimizer=new_optimizer(), loss=new_loss())
+            model = Recipe(inner, recipe, aggregation, kind)
+    model.compile(optimizer=new_optimizer(), loss=new_loss(kind))
     return model
 
 
@@ -507,7 +511,7 @@ def row_names(key: str, args) -> tuple[list[str], list[str]]:
         names = list(args.variants)
     elif args.suite == "coordinate":
         names = coordinate_variants(key)
-    elif kind in HUB_KINDS:
+    elif kind in HUB_KINDS + RNN_KINDS:
         names = [name for name in LM_VARIANTS if not unsupported(name, kind)]
     else:
         names = variant_names(args.aggregations, args.recipes, kind)

@@ -66,6 +66,8 @@ def run_options(args) -> list[str]:
     options = [f"{os.cpu_count()} CPUs"]
     if args.threads:
         options.append(f"--threads {args.threads}")
+    if getattr(args, "clock", "wall") != "wall":
+        options.append(f"--clock {args.clock}")
     if args.malloc_tuning:
         options.append("--malloc-tuning")
     if args.quick:

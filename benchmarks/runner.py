@@ -57,6 +57,12 @@ class Skipped(Exception):
     """A variant that does not apply to this model or checkout (a row saying why)."""
 
 
+#: what a step's time is: wall-clock seconds, or with ``bench.py --clock cpu`` the CPU
+#: seconds of this process (all its threads), which other processes on a shared machine
+#: do not inflate
+CLOCK = time.perf_counter
+
+
 class Steps:
     """A variant built, compiled and stepped once on its fixed batch (``first_step_s``).
 
@@ -70,11 +76,11 @@ class Steps:
         raise NotImplementedError
 
     def run(self, count: int) -> tuple[float, int]:
-        """Seconds and minor page faults for ``count`` steps."""
+        """Seconds (of :data:`CLOCK`) and minor page faults for ``count`` steps."""
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        start = time.perf_counter()
+        start = CLOCK()
         self.steps(count)
-        seconds = time.perf_counter() - start
+        seconds = CLOCK() - start
         return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
     def close(self) -> None:

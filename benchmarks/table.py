@@ -7,8 +7,8 @@ the speed table (the statistics rules, ratios to the plain step), the
 peak-memory table, the coordinate-rules table, the median's memory beside
 plain's peak + 2 x B x the largest variable's floats, the DP peers' table
 (milliseconds of pergrad's clip and DP steps beside TF Privacy's, jax-privacy's
-and Opacus's, ``benchmarks/peers.py``) and the language models' table (``--suite
-lm``: speed and memory)::
+and Opacus's, ``benchmarks/peers.py``), the language models' table (``--suite
+lm``: speed and memory) and the recurrent models' (``--suite rnn``, the same columns)::
 
     KERAS_BACKEND=tensorflow .venv/bin/python benchmarks/bench.py --json tf.json
     KERAS_BACKEND=tensorflow .venv/bin/python benchmarks/bench.py --suite coordinate \\
@@ -86,6 +86,9 @@ LM_COLUMNS = (
     ("peak: dp_gaussian", "pergrad dp", "peak_ratio"),
 )
 LM_KINDS = ("gpt", "lora", "llama", "bert")  # models.HUB_KINDS (this file imports no backend)
+RNN_KINDS = ("lstm", "gru")  # models.RNN_KINDS
+#: a model key: its kind and batch size
+MODEL_KEY = re.compile(r"(mlp|cnn|tfm|gpt|lora|llama|bert|lstm|gru)(\d+)")
 #: the median's memory beside plain's peak + this many x B x the largest variable's floats
 MEDIAN_MEMORY_COPIES = 2
 
@@ -109,9 +112,9 @@ def load(paths):
 def model_order(key):
     """Backends in the tables' order, then MLPs, CNNs, transformers by batch size."""
     backend, model = key
-    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora|llama|bert)(\d+)", model)
+    match = MODEL_KEY.fullmatch(model)
     kind, batch = (match.group(1), int(match.group(2))) if match else (model, 0)
-    kinds = ("mlp", "cnn", "tfm") + LM_KINDS
+    kinds = ("mlp", "cnn", "tfm") + LM_KINDS + RNN_KINDS
     return (list(BACKENDS).index(backend) if backend in BACKENDS else len(BACKENDS),
             kinds.index(kind) if kind in kinds else len(kinds), batch, model)
 
@@ -127,7 +130,7 @@ def row_label(backend: str, model: str, seen: set) -> str:
 
 def model_label(model: str, first: bool) -> str:
     """``mlp64`` -> ``MLP 784-256-256-10, B=64`` (the first of its kind per backend) or ``MLP, B=64``."""
-    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora|llama|bert)(\d+)", model)
+    match = MODEL_KEY.fullmatch(model)
     if not match:
         return model
     kind, batch = match.group(1), match.group(2)
@@ -139,6 +142,10 @@ def model_label(model: str, first: bool) -> str:
         return f"Llama style LM, B={batch}, T=128"
     if kind == "bert":
         return f"BERT classifier, B={batch}, T=128"
+    if kind == "lstm":
+        return f"Bidirectional LSTM(32) text classifier, B={batch}, T=64"
+    if kind == "gru":
+        return f"GRU(32) regressor, B={batch}, T=64"
     if kind == "mlp":
         return f"MLP 784-256-256-10, B={batch}" if first else f"MLP, B={batch}"
     if kind == "cnn":
@@ -239,13 +246,14 @@ def memory_table(models):
     return markdown(header, lines) if lines else None
 
 
-def lm_table(models):
-    """The language models: speed and peak-memory ratios to their plain step; plain in ms."""
+def lm_table(models, kinds=LM_KINDS):
+    """The language models (or the recurrent models, ``kinds``): speed and peak-memory ratios
+    to their plain step; plain in ms."""
     header = ["backend", "model", "plain ms"] + [t for t, _, _ in LM_COLUMNS]
     lines, seen = [], set()
     for key in sorted(models, key=model_order):
         backend, model = key
-        if model.rstrip("0123456789") not in LM_KINDS:
+        if model.rstrip("0123456789") not in kinds:
             continue
         sources = models[key]
         cells = []
@@ -323,7 +331,7 @@ def describe_runs(runs):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", help="bench.py --json outputs (any backends, suites)")
-    parser.add_argument("--tables", default="speed,memory,coordinate,coordinate-memory,peers,lm",
+    parser.add_argument("--tables", default="speed,memory,coordinate,coordinate-memory,peers,lm,rnn",
                         help="which tables, in this order (default %(default)s)")
     args = parser.parse_args(argv)
     models, runs = load(args.files)
@@ -334,6 +342,7 @@ def main(argv=None):
         "coordinate-memory": lambda: coordinate_memory_table(models),
         "peers": lambda: peers_table(models),
         "lm": lambda: lm_table(models),
+        "rnn": lambda: lm_table(models, RNN_KINDS),
     }
     print("Runs:\n" + describe_runs(runs))
     for name in args.tables.split(","):

@@ -842,7 +842,7 @@ LAYER_COVERAGE = {
     factory.__name__: factory
     for factory in (dense_sequence, convolutions, conv_sequence, transformer, shared_and_fallback)
 }
-# gru: a recurrent layer is planned as one call (its cell runs in a graph loop).
+# gru: a recurrent layer is planned as one call (the recurrent rule runs its time loop).
 LAYER_RULE_PROBLEMS = sorted(LAYER_COVERAGE) + [
     "dense_mlp", "conv1d", "embedding", "layer_norm", "gru", "multi_output", "masked_dense",
     "sequence_output", "subclassed", "constant_inputs", "lora", "reversible_embedding",

@@ -41,8 +41,8 @@ def _fit(model, aggregator, x, y, **kwargs):
 def test_failed_batch_check_moves_no_weight():
     """7 examples in batches of 3 with Krum (needs 3), from a source fit() cannot size up
     front: the last batch of 1 fails in its step. On TF the check runs in the graph (unknown
-    batch size); the update used to run anyway and move the weights. Now the weights and the optimizer's step count are those after the first two
-    batches, on every backend."""
+    batch size); the update used to run anyway and move the weights. Now the weights and the
+    optimizer's step count are those after the first two batches, on every backend."""
     problem = problems.dense_mlp(batch=7)
     wrapper = pergrad.PerExampleModel(problem.model, agg.krum(0.2))
     problem.compile(wrapper, optimizer=keras.optimizers.SGD(0.1))

@@ -227,6 +227,22 @@ def recording_variable_reads(record):
                 _patch["original"] = None
 
 
+def unrecorded_value(scope, variable):
+    """``scope.get_current_value(variable)``, not recorded by :func:`recording_variable_reads`:
+    the engine's own reads (the seed states a pass hands back), not the model's."""
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    return (_patch["original"] or StatelessScope.get_current_value)(scope, variable)
+
+
+def rnn(step_function, inputs, initial_states, **kwargs):
+    """``keras.src.backend.rnn``: the time loop Keras's recurrent layers run (its masking,
+    ``go_backwards`` and unrolling), for the recurrent layer rules."""
+    from keras.src import backend
+
+    return backend.rnn(step_function, inputs, initial_states, **kwargs)
+
+
 def data_adapter(x, y=None, sample_weight=None, batch_size=None):
     """``keras.src.trainers.data_adapters.get_data_adapter``: what ``fit()`` iterates
     (arrays, ``tf.data``, generators, ``PyDataset``, a torch ``DataLoader``), unshuffled."""

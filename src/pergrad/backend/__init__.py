@@ -45,6 +45,9 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
   and the part of every global batch this process feeds (``pergrad.processes``).
 - ``fused(fn)`` (TF only): ``fn`` compiled by XLA, for
   ``pergrad.aggregators.selection``'s sorting network.
+- ``traced_apart(fn)`` (TF only; :func:`traced_apart` elsewhere calls ``fn``): ``fn()``'s
+  Python result, its ops traced in a graph of their own, for the dry runs (the
+  statistics path's plan, the model checks) that a step's trace would otherwise keep.
 - ``sorted_ranks(x, lo, hi)`` (torch only): ranks ``[lo, hi)`` over axis 0 of a
   ``(B, N)`` tensor by NumPy's sort where it applies (CPU), else ``None``, for
   ``pergrad.aggregators.selection``.
@@ -61,6 +64,14 @@ import keras
 class NotVectorizable(NotImplementedError):
     """The backend's vectorizing transform cannot run this model's forward pass, on any
     engine path (the statistics path does not hand such a model to the materialized one)."""
+
+
+def traced_apart(fn):
+    """``fn()``, whose result holds no tensors, run by the adapter's ``traced_apart`` where
+    it has one (TensorFlow), else called (JAX's compiler drops what nothing uses; torch
+    runs eagerly)."""
+    apart = getattr(adapter(), "traced_apart", None)
+    return fn() if apart is None else apart(fn)
 
 
 def adapter():

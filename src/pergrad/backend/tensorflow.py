@@ -297,6 +297,23 @@ def replicas(model=None):
     return int(strategy.num_replicas_in_sync)
 
 
+def traced_apart(fn):
+    """``fn()`` for its Python result only: traced in a graph of its own where it would be
+    traced into a ``tf.function``'s (eagerly, run as it is). A dry run's ops stay out of the
+    step's graph, where TensorFlow keeps some that nothing uses (a while loop, an RNN's) and
+    runs them at every step."""
+    if tf.executing_eagerly():
+        return fn()
+    result = []
+
+    def traced():
+        result.append(fn())
+        return tf.constant(0)
+
+    tf.function(traced, autograph=False).get_concrete_function()
+    return result[0]
+
+
 def fused(fn):
     """``fn`` compiled by XLA (``jit_compile``): for long chains of small elementwise ops
     (``pergrad.aggregators.selection``'s sorting network), which a plain graph runs one

@@ -59,13 +59,14 @@ def capture(problem, plan, trainable_values, batched, shared, batch_size, loss_s
                 return original(*args, **kwargs)
             call = plan.calls[position]
             if marked is not None:  # (no fallback call)
-                captured[position] = call.rule.call_inputs(layer, args, kwargs)
-                return call.rule.forward(layer, original, lambda t: marked.setdefault(position, t),
-                                         args, kwargs)
+                out, captured[position] = call.rule.forward_and_inputs(
+                    layer, original, lambda t: marked.setdefault(position, t), args, kwargs)
+                return out
             probe = own_probes[position]
             if not call.fallback:
-                captured[position] = call.rule.call_inputs(layer, args, kwargs)
-                return call.rule.forward(layer, original, lambda t: t + probe[0], args, kwargs)
+                out, captured[position] = call.rule.forward_and_inputs(
+                    layer, original, lambda t: t + probe[0], args, kwargs)
+                return out
             flat = tree.flatten((args, kwargs))
             captured[position] = [leaf for leaf in flat if is_tensor(leaf)]
             out = original(*args, **kwargs)

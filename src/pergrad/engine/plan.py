@@ -14,7 +14,7 @@ import keras
 from keras import ops, tree
 
 from pergrad import compat
-from pergrad.backend import adapter, eager
+from pergrad.backend import adapter, eager, traced_apart
 from pergrad.layer_rules import rule_for
 from pergrad.layer_rules.base import OutputRule, replaced_attribute
 from pergrad.tensors import is_float
@@ -136,7 +136,6 @@ def make_plan(problem, trainable_values, batched, shared) -> Plan:
                   "arguments": tree.pack_sequence_as((args, kwargs), markers)}
         if record["rule"] is not None:
             record["variables"] = record["rule"].call_variables(layer, args, kwargs)
-            record["input_shape"] = tuple(ops.shape(record["rule"].call_inputs(layer, args, kwargs)))
         records.append(record)
 
         def probe(tensor):
@@ -148,7 +147,9 @@ def make_plan(problem, trainable_values, batched, shared) -> Plan:
             if any(isinstance(outer["layer"], keras.layers.RNN) for outer in stack[:-1]):
                 return original(*args, **kwargs)  # inside a loop: never probed
             if record["rule"] is not None:
-                return record["rule"].forward(layer, original, probe, args, kwargs)
+                out, inputs = record["rule"].forward_and_inputs(layer, original, probe, args, kwargs)
+                record["input_shape"] = tuple(ops.shape(inputs))
+                return out
             out = original(*args, **kwargs)
             for leaf in tree.flatten(out):
                 if is_tensor(leaf) and is_float(leaf):
@@ -241,8 +242,8 @@ def mark_whole_batch(problem, plan, trainable_values, batched, shared):
             leading.append(tuple(ops.shape(tensor))[:1])
             return tensor
 
-        out = call.rule.forward(layer, original, probe, args, kwargs)
-        inputs = tuple(ops.shape(call.rule.call_inputs(layer, args, kwargs)))[:1]
+        out, inputs = call.rule.forward_and_inputs(layer, original, probe, args, kwargs)
+        inputs = tuple(ops.shape(inputs))[:1]
         follows[position] = (inputs == (2,) and leading_one(call.input_shape)
                              and leading == [(2,)] and leading_one(call.specs[0][0]))
         return out
@@ -258,8 +259,8 @@ def mark_whole_batch(problem, plan, trainable_values, batched, shared):
 
 def cached_plan(problem, trainable_values, batched, shared) -> Plan:
     """The plan; made once per trace, or once per input signature and variables where steps run eagerly."""
-    if not eager():
-        return make_plan(problem, trainable_values, batched, shared)
+    if not eager():  # (a graph's dry run apart from the step's graph, which would run it)
+        return traced_apart(lambda: make_plan(problem, trainable_values, batched, shared))
     model = problem.model
     key = (
         tuple(id(v) for v in compat.trainable_variables(model)),

@@ -21,7 +21,7 @@ import numpy as np
 from keras import ops, tree
 
 from pergrad import compat, replicas
-from pergrad.backend import adapter
+from pergrad.backend import adapter, traced_apart
 from pergrad.tensors import scale_rows
 
 # Per-example RNG streams: example i draws from the seed state offset by
@@ -335,7 +335,9 @@ class PerExampleProblem:
         aux = {
             "loss": loss,
             "y_pred": tree.map_structure(lambda t: ops.squeeze(t, 0), y_pred),
-            "seeds": [scope.get_current_value(compat.non_trainable_variables(self.model)[p])
+            # (unrecorded: a seed state only read here, a recurrent cell's without dropout,
+            # draws nothing, engine.plan)
+            "seeds": [compat.unrecorded_value(scope, compat.non_trainable_variables(self.model)[p])
                       for p in self.seed_positions],
         }
         # Keras normalizes the loss by the unmasked values of the whole batch: those of the
@@ -380,6 +382,12 @@ class PerExampleProblem:
         that a shape error quotes the batch's shapes, as plain Keras does."""
         if self._checked:
             return
+        # Apart from a step's trace (TensorFlow), which would keep this forward pass's while
+        # loops (an RNN's) and run them at every step.
+        traced_apart(lambda: self._check(x, y))
+        self._checked = True
+
+    def _check(self, x, y):
         # Tensors, as Keras gives a loss: a NumPy target minus a torch tensor fails.
         inputs = map_optional(ops.convert_to_tensor, x)
         # In training mode, as the per-example pass runs, in a scope of its own: nothing
@@ -400,7 +408,6 @@ class PerExampleProblem:
             with keras.StatelessScope():  # builds the loss container outside any trace
                 self.compile_loss(targets, y_pred, None)
         self.loss_masks = probe_losses(compat.compiled_losses(self.compile_loss), targets, y_pred)
-        self._checked = True
 
     # -- public entry point ---------------------------------------------------------
 

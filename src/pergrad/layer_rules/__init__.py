@@ -16,6 +16,7 @@ from pergrad.layer_rules import (  # noqa: F401 (registers)
     einsum_dense,
     embedding,
     normalization,
+    recurrent,
     vision,
 )
 from pergrad.layer_rules.base import (

@@ -189,6 +189,13 @@ class LayerRule:
         """
         raise NotImplementedError
 
+    def forward_and_inputs(self, layer, call, probe, args, kwargs):
+        """``(output, inputs)``: :meth:`forward`'s output and the tensor the statistics
+        receive as ``inputs`` (by default :meth:`call_inputs`). A rule whose ``inputs``
+        are made by its forward pass (a recurrent layer's state before each step)
+        returns them from it."""
+        return self.forward(layer, call, probe, args, kwargs), self.call_inputs(layer, args, kwargs)
+
     def per_example(self, layer, values, inputs, delta) -> list:
         """Example i's gradient of every variable: ``(B,) + variable.shape`` each.
 
