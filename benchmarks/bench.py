@@ -32,6 +32,8 @@ Suites (``--suite``; ``--models`` and ``--variants`` override a suite's choice):
   pair on torch), 2 rounds;
 - ``lm``: ``gpt8`` and ``lora8`` (``--quick``: ``gpt2``, ``lora2``) with plain,
   pergrad mean, clip and dp, and pergrad-mat clip (keras-hub needed);
+- ``conv``: ``resnet16``, ``convnext16``, ``dwconv32``, ``mobilenet16`` (``--quick``:
+  B = 4) with plain, pergrad clip and dp, and pergrad-mat clip;
 - ``coordinate``: the coordinate rules on ``mlp64``, ``mlp256`` and ``cnn64``
   (``--quick``: ``mlp16``, ``cnn16``): plain, jacobian median (the CNN and MLPs
   up to B=64: on mlp256 it took 4-9 s per step), pergrad-mat median, and pergrad
@@ -77,7 +79,9 @@ COORDINATE_MODELS = ("mlp64", "mlp256", "cnn64")
 COORDINATE_QUICK_MODELS = ("mlp16", "cnn16")
 LM_MODELS = ("gpt8", "lora8")  # keras-hub
 LM_QUICK_MODELS = ("gpt2", "lora2")
-SUITES = ("default", "coordinate", "lm")
+CONV_MODELS = ("resnet16", "convnext16", "dwconv32", "mobilenet16")
+CONV_QUICK_MODELS = ("resnet4", "convnext4", "dwconv4", "mobilenet4")
+SUITES = ("default", "coordinate", "lm", "conv")
 
 
 def suite_models(suite: str, quick: bool) -> tuple[str, ...]:
@@ -86,6 +90,8 @@ def suite_models(suite: str, quick: bool) -> tuple[str, ...]:
         return COORDINATE_QUICK_MODELS if quick else COORDINATE_MODELS
     if suite == "lm":
         return LM_QUICK_MODELS if quick else LM_MODELS
+    if suite == "conv":
+        return CONV_QUICK_MODELS if quick else CONV_MODELS
     return QUICK_MODELS if quick else DEFAULT_MODELS
 
 
