@@ -370,6 +370,26 @@ def mean_result(total, count):
     return torch.where(count == 0, torch.zeros_like(total), total / count)
 
 
+def conv_patches(inputs, kernel_size, strides, dilation, pads, out_sizes):
+    """``(B, T, k, C)``: a convolution's patches (``pergrad.layer_rules.conv.Patches``) by
+    one strided view of the padded channels-last input, copied once: a few ops where a
+    slice per kernel offset costs its ops each (49 for a 7 x 7 kernel; each torch call
+    ~10-30 us eagerly). ``unfold`` builds them channels-first, 5x slower."""
+    pad = [0, 0]  # F.pad: the last axis (channels) first
+    for left, right in reversed(pads):
+        pad += [left, right]
+    x = torch.nn.functional.pad(inputs, pad) if any(pad) else inputs
+    x = x.contiguous()
+    steps = x.stride()
+    spatial = steps[1:-1]
+    view = x.as_strided(
+        (x.shape[0],) + tuple(out_sizes) + tuple(kernel_size) + (x.shape[-1],),
+        (steps[0],) + tuple(a * s for a, s in zip(spatial, strides))
+        + tuple(a * d for a, d in zip(spatial, dilation)) + (steps[-1],),
+    )
+    return view.reshape(x.shape[0], -1, int(np.prod(kernel_size)), x.shape[-1])
+
+
 def segment_sum_rows(rows, ids, count):
     """``(count, ...)``: ``rows`` (``(N, ...)``) summed by their ``ids`` (``(N,)``), ids
     outside ``[0, count)`` dropped, as ``keras.ops.segment_sum`` gives it. One

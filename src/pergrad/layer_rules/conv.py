@@ -53,6 +53,7 @@ from keras import ops
 
 from pergrad import compat
 from pergrad.aggregators.statistics import example_squared_norms
+from pergrad.backend import adapter
 from pergrad.layer_rules.base import PreActivationRule, register_rule
 from pergrad.layer_rules.dense import (
     outer_materializes,
@@ -205,50 +206,65 @@ class Product(NamedTuple):
         """``(T, k c, q)``: a group's positions and product sizes (static)."""
         return self.d.shape[1], self.a.shape.offsets * self.a.channels // self.groups, self.d.shape[3]
 
-    def _grouped(self, rows):
-        """``(B, T, C)`` rows of the patches as ``(B, T, g, c)``."""
-        return ops.reshape(rows, (batch_size_of(rows), rows.shape[1], self.groups, -1))
+    def _rows(self):
+        """The patches as ``(B, T, k', g, c)`` tensors whose ``k'`` offsets, concatenated, are
+        the kernel's: one per offset (``k' = 1``, slices the backend fuses into their
+        products), or, where the adapter forms the patches at once (``conv_patches``: torch,
+        where each op costs its dispatch; 49 offsets of a 7 x 7 kernel), one of all ``k``."""
+        patches, groups = self.a, self.groups
+        fast = getattr(adapter(), "conv_patches", None)
+        if fast is None or patches.shape.offsets == 1:
+            tensors = list(patches)
+        else:
+            shape = patches.shape
+            tensors = [fast(patches.x, shape.kernel_size, shape.strides, shape.dilation, shape.pads,
+                            shape.out_sizes)]
+        channels = patches.channels // groups
+        return [ops.reshape(t, tuple(t.shape[:2]) + (-1, groups, channels)) for t in tensors]
 
     def formed(self):
-        """``(B,) + shape``: every example's gradient, one product per kernel offset."""
+        """``(B,) + shape``: every example's gradient."""
         d, groups = self.d, self.groups
         parts = []
-        for rows in self.a:
-            if groups == 1:
-                parts.append(outer_per_example(rows, d[:, :, 0]))  # (B, C, q)
-            elif self.a.channels == groups:  # depthwise: per channel, sum_t x_t d_t
-                parts.append(ops.sum(rows[..., None] * d, axis=1))  # (B, g, q)
+        for rows in self._rows():
+            batch, positions, offsets, _, channels = rows.shape
+            if groups == 1:  # a batched matmul
+                flat = ops.reshape(rows, (batch, positions, offsets * channels))
+                product = outer_per_example(flat, d[:, :, 0])  # (B, k' c, q)
+                parts.append(ops.reshape(product, (batch, offsets, channels, 1, -1)))
+            elif channels == 1:  # depthwise: per channel, sum_t x_t d_t
+                product = ops.sum(rows[:, :, :, :, 0, None] * d[:, :, None], axis=1)  # (B, k', g, q)
+                parts.append(product[:, :, None])
             else:
-                parts.append(ops.einsum("btgc,btgq->bcgq", self._grouped(rows), d))
-        grads = parts[0][:, None] if len(parts) == 1 else ops.stack(parts, axis=1)
+                parts.append(ops.einsum("btkgc,btgq->bkcgq", rows, d))
+        grads = parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=1)
         return ops.reshape(grads, (batch_size_of(d),) + tuple(self.shape))
 
     def _position_products(self, pattern, first=slice(None), second=slice(None)):
-        """``A Aᵀ`` (summed over the offsets) and ``D Dᵀ`` per group, by the einsum
-        ``pattern`` of the examples ``first`` and ``second``."""
+        """``A Aᵀ`` and ``D Dᵀ`` per group, by the einsum ``pattern`` of the examples ``first``
+        and ``second``."""
         aa = 0.0
-        for rows in self.a:
-            rows = self._grouped(rows)
+        for rows in self._rows():
             aa = aa + ops.einsum(pattern, rows[first], rows[second])
-        return aa, ops.einsum(pattern.replace("c", "q"), self.d[first], self.d[second])
+        return aa, ops.einsum(pattern.replace("k", "").replace("c", "q"), self.d[first], self.d[second])
 
     def squared_norms(self):
         """``(B,)``: ``||A_iᵀ D_i||² = <A_i A_iᵀ, D_i D_iᵀ>`` summed over the groups."""
-        aa, dd = self._position_products("btgc,bsgc->bgts")
+        aa, dd = self._position_products("btkgc,bskgc->bgts")
         return ops.sum(aa * dd, axis=(1, 2, 3))
 
     def weighted_sum(self, weights):
         """``sum_i w_i g_i``: ``Aᵀ diag(w) D``, one matmul per offset over every example's
         positions (an einsum: Keras's torch ``matmul`` returns float32 for float64)."""
         scaled = self.d * ops.cast(weights[:, None, None, None], self.d.dtype)
-        parts = [ops.einsum("btgc,btgq->cgq", self._grouped(rows), scaled) for rows in self.a]
-        return ops.reshape(ops.stack(parts), self.shape)
+        parts = [ops.einsum("btkgc,btgq->kcgq", rows, scaled) for rows in self._rows()]
+        return ops.reshape(parts[0] if len(parts) == 1 else ops.concatenate(parts), self.shape)
 
     def gram(self, split=None):
         """``sum_g (A_g A_gᵀ) ∘ (D_g D_gᵀ)`` over example pairs, summed over positions
         (``B² g T²`` entries; or its block ``[:split, split:]``)."""
         first, second = (slice(None), slice(None)) if split is None else (slice(split), slice(split, None))
-        aa, dd = self._position_products("itgc,jsgc->ijgts", first, second)
+        aa, dd = self._position_products("itkgc,jskgc->ijgts", first, second)
         return ops.sum(aa * dd, axis=(2, 3, 4))
 
     def pairs_fit(self, batch) -> bool:
