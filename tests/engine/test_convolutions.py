@@ -261,3 +261,31 @@ def test_the_layers_vjp_stays_the_reference_for_the_formulas(float64):
     for mine, vjp in zip(rule.per_example(layer, values, x, delta),
                          PreActivationRule.per_example(rule, layer, values, x, delta)):
         np.testing.assert_allclose(oracle.to_numpy(mine), oracle.to_numpy(vjp), rtol=1e-5, atol=1e-6)
+
+
+class MaskedGroupNormalization(keras.layers.GroupNormalization):
+    """A subclass whose ``call`` only adds a mask argument (the arithmetic is the parent's)."""
+
+    def call(self, inputs, mask=None):
+        return super().call(inputs)
+
+
+def test_a_subclass_that_redefines_call_takes_its_parents_rule_only_when_registered(monkeypatch):
+    from pergrad.layer_rules import base
+    from pergrad.layer_rules.normalization import NormalizationRule
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 4, 4))
+    norm = MaskedGroupNormalization(2)
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(norm(inputs))))
+    model.compile(loss="mse")
+    assert rule_for(norm) is None  # the fallback: pergrad cannot tell what the new call computes
+    monkeypatch.setattr(base, "_RULES", dict(base._RULES))  # (the registration below is this test's)
+    pergrad.layer_rules.register_rule(MaskedGroupNormalization)(NormalizationRule)
+    assert isinstance(rule_for(norm), NormalizationRule)
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(4, 4, 4, 4)).astype("float32"), rng.normal(size=(4, 2)).astype("float32")
+    expected = oracle.batch_of_one_gradients(model, x, y)
+    squared = np.stack([(e.reshape(4, -1) ** 2).sum(1) for e in expected], axis=1)
+    stats = pergrad.per_example_statistics(model, x, y)
+    np.testing.assert_allclose(oracle.to_numpy(stats.squared_norms), squared, rtol=1e-5, atol=1e-7)
