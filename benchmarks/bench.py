@@ -34,6 +34,8 @@ Suites (``--suite``; ``--models`` and ``--variants`` override a suite's choice):
   pergrad mean, clip and dp, and pergrad-mat clip (keras-hub needed);
 - ``rnn``: the recurrent models ``lstm64`` and ``gru64`` (``--quick``: ``lstm8``,
   ``gru8``) with the same rows as ``lm``;
+- ``conv``: ``resnet16``, ``convnext16``, ``dwconv32``, ``mobilenet16`` (``--quick``:
+  B = 4) with plain, pergrad clip and dp, and pergrad-mat clip;
 - ``coordinate``: the coordinate rules on ``mlp64``, ``mlp256`` and ``cnn64``
   (``--quick``: ``mlp16``, ``cnn16``): plain, jacobian median (the CNN and MLPs
   up to B=64: on mlp256 it took 4-9 s per step), pergrad-mat median, and pergrad
@@ -83,7 +85,9 @@ LM_MODELS = ("gpt8", "lora8")  # keras-hub
 LM_QUICK_MODELS = ("gpt2", "lora2")
 RNN_MODELS = ("lstm64", "gru64")
 RNN_QUICK_MODELS = ("lstm8", "gru8")
-SUITES = ("default", "coordinate", "lm", "rnn")
+CONV_MODELS = ("resnet16", "convnext16", "dwconv32", "mobilenet16")
+CONV_QUICK_MODELS = ("resnet4", "convnext4", "dwconv4", "mobilenet4")
+SUITES = ("default", "coordinate", "lm", "rnn", "conv")
 
 
 def suite_models(suite: str, quick: bool) -> tuple[str, ...]:
@@ -94,6 +98,8 @@ def suite_models(suite: str, quick: bool) -> tuple[str, ...]:
         return LM_QUICK_MODELS if quick else LM_MODELS
     if suite == "rnn":
         return RNN_QUICK_MODELS if quick else RNN_MODELS
+    if suite == "conv":
+        return CONV_QUICK_MODELS if quick else CONV_MODELS
     return QUICK_MODELS if quick else DEFAULT_MODELS
 
 

@@ -31,6 +31,27 @@ any batch size B:
 - ``gru<B>``: a time-series regressor: (B, 64, 8) floats -> GRU(32) -> Dense(1),
   mean squared error on one target per example.
 
+The convolution models (``--suite conv``), on 32x32x3 images:
+
+- ``resnet<B>``: a ResNet-style stack, frozen BatchNormalization (inference mode)
+  after every convolution: a 3x3 stem of 32 channels, then four stages of two
+  basic blocks (3x3, 3x3; the first of each later stage strides 2 with a 1x1
+  projection shortcut) of 32, 64, 128 and 256 channels at 32x32 down to 4x4 ->
+  GlobalAveragePooling2D -> Dense 10;
+- ``convnext<B>``: ConvNeXt-style blocks as keras.applications builds them: a 4x4
+  stride-4 stem of 48 channels + LayerNormalization, two blocks (depthwise 7x7 as a
+  grouped Conv2D, LayerNormalization, Dense 4C, GELU, Dense C, LayerScale,
+  residual) at 8x8, a LayerNormalization + 2x2 stride-2 convolution to 96 channels,
+  two blocks at 4x4 -> GlobalAveragePooling2D -> LayerNormalization -> Dense 10;
+- ``dwconv<B>``: 3x3 stem of 32 channels, then DepthwiseConv2D 3x3 (relu) and a
+  1x1 Conv2D of 64 channels, DepthwiseConv2D 3x3 stride 2 and a 1x1 Conv2D of 128
+  channels -> GlobalAveragePooling2D -> Dense 10 (MobileNet's separable pairs);
+- ``mobilenet<B>``: MobileNetV2 inverted residual blocks with GroupNormalization
+  (8 groups) after every convolution: a 3x3 stride-2 stem of 32 channels, then
+  blocks (expansion 6: 1x1 expand, relu6, DepthwiseConv2D 3x3, relu6, 1x1 project)
+  of 16, 24 (stride 2), 24, 32 (stride 2), 32 channels -> GlobalAveragePooling2D ->
+  Dense 10.
+
 The language models need keras-hub (a dev requirement).
 """
 
@@ -50,6 +71,9 @@ VOCAB, SEQUENCE, WIDTH, HEADS, KEY_DIM, FFN, CLASSES = 1000, 64, 64, 2, 32, 128,
 LM_KINDS = ("gpt", "lora", "llama")
 #: the keras-hub models (``--suite lm``'s rows)
 HUB_KINDS = LM_KINDS + ("bert",)
+#: the convolution models (``--suite conv``), on IMAGE x IMAGE x 3 images
+CONV_KINDS = ("resnet", "convnext", "dwconv", "mobilenet")
+IMAGE = 32
 LM_VOCAB, LM_SEQUENCE, LM_WIDTH, LM_LAYERS, LM_HEADS, LM_FFN, LORA_RANK = 8192, 128, 64, 2, 2, 256, 4
 # the recurrent models (``--suite rnn``): the LSTM classifier reads the transformer's tokens
 RNN_KINDS = ("lstm", "gru")
@@ -65,11 +89,13 @@ BUCKET_SIZE = 8  # bucketing(BUCKET_SIZE, median())
 
 def parse_model(key: str) -> tuple[str, int]:
     """``"mlp64"`` -> ``("mlp", 64)``: the architecture and the batch size."""
-    match = re.fullmatch(r"(mlp|cnn|tfm|gpt|lora|llama|bert|lstm|gru)(\d+)", key)
+    kinds = "mlp|cnn|tfm|gpt|lora|llama|bert|lstm|gru|resnet|convnext|dwconv|mobilenet"
+    match = re.fullmatch(rf"({kinds})(\d+)", key)
     if not match:
         raise ValueError(
             f"unknown model {key!r}: use mlp<batch>, cnn<batch>, tfm<batch>, gpt<batch>, "
-            "lora<batch>, llama<batch>, bert<batch>, lstm<batch> or gru<batch>, e.g. mlp64, tfm64, gpt8"
+            "lora<batch>, llama<batch>, bert<batch>, lstm<batch>, gru<batch>, resnet<batch>, "
+            "convnext<batch>, dwconv<batch> or mobilenet<batch>, e.g. mlp64, tfm64, gpt8, resnet16"
         )
     return match.group(1), int(match.group(2))
 
@@ -86,6 +112,8 @@ def build_model(kind: str) -> keras.Model:
         return build_bert()
     if kind in RNN_KINDS:
         return build_recurrent(kind)
+    if kind in CONV_KINDS:
+        return CONV_BUILDERS[kind]()
     if kind == "mlp":
         layers = [
             keras.Input((784,)),
@@ -176,6 +204,87 @@ def build_recurrent(kind: str) -> keras.Model:
     return keras.Sequential(layers, name=kind)
 
 
+def _frozen_norm(h):
+    """BatchNormalization in inference mode (frozen: no trainable variable, no batch statistics)."""
+    norm = keras.layers.BatchNormalization()
+    norm.trainable = False
+    return norm(h)
+
+
+def build_resnet() -> keras.Model:
+    """A ResNet-style stack of basic blocks, BatchNormalization frozen."""
+    layers = keras.layers
+
+    def conv(h, filters, kernel, strides=1):
+        return _frozen_norm(layers.Conv2D(filters, kernel, strides=strides, padding="same")(h))
+
+    inputs = keras.Input((IMAGE, IMAGE, 3))
+    h = layers.ReLU()(conv(inputs, 32, 3))
+    for stage, filters in enumerate((32, 64, 128, 256)):
+        for block in range(2):
+            strides = 2 if stage > 0 and block == 0 else 1
+            shortcut = conv(h, filters, 1, strides) if strides > 1 else h
+            y = layers.ReLU()(conv(h, filters, 3, strides))
+            h = layers.ReLU()(conv(y, filters, 3) + shortcut)
+    logits = layers.Dense(CLASSES)(layers.GlobalAveragePooling2D()(h))
+    return keras.Model(inputs, logits, name="resnet")
+
+
+def build_convnext() -> keras.Model:
+    """ConvNeXt-style blocks as ``keras.applications.ConvNeXt*`` builds them (its own
+    ``LayerScale``; the depthwise 7x7 a grouped Conv2D)."""
+    from keras.src.applications.convnext import LayerScale
+
+    layers = keras.layers
+    inputs = keras.Input((IMAGE, IMAGE, 3))
+    h = layers.LayerNormalization(epsilon=1e-6)(layers.Conv2D(48, 4, strides=4)(inputs))
+    for stage, width in enumerate((48, 96)):
+        if stage:
+            h = layers.Conv2D(width, 2, strides=2)(layers.LayerNormalization(epsilon=1e-6)(h))
+        for _ in range(2):
+            y = layers.Conv2D(width, 7, padding="same", groups=width)(h)
+            y = layers.LayerNormalization(epsilon=1e-6)(y)
+            y = layers.Dense(4 * width, activation="gelu")(y)
+            y = LayerScale(1e-6, width)(layers.Dense(width)(y))
+            h = h + y
+    h = layers.LayerNormalization(epsilon=1e-6)(layers.GlobalAveragePooling2D()(h))
+    return keras.Model(inputs, layers.Dense(CLASSES)(h), name="convnext")
+
+
+def build_depthwise() -> keras.Model:
+    """MobileNet's separable pairs: DepthwiseConv2D 3x3, then a 1x1 Conv2D."""
+    layers = keras.layers
+    inputs = keras.Input((IMAGE, IMAGE, 3))
+    h = layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+    for filters, strides in ((64, 1), (128, 2)):
+        h = layers.DepthwiseConv2D(3, strides=strides, padding="same", activation="relu")(h)
+        h = layers.Conv2D(filters, 1, activation="relu")(h)
+    logits = layers.Dense(CLASSES)(layers.GlobalAveragePooling2D()(h))
+    return keras.Model(inputs, logits, name="dwconv")
+
+
+def build_mobilenet() -> keras.Model:
+    """MobileNetV2's inverted residual blocks, GroupNormalization after every convolution."""
+    layers = keras.layers
+
+    def norm(h):
+        return layers.GroupNormalization(8)(h)
+
+    inputs = keras.Input((IMAGE, IMAGE, 3))
+    h = layers.ReLU(6.0)(norm(layers.Conv2D(32, 3, strides=2, padding="same")(inputs)))
+    for filters, strides in ((16, 1), (24, 2), (24, 1), (32, 2), (32, 1)):
+        y = layers.ReLU(6.0)(norm(layers.Conv2D(6 * h.shape[-1], 1)(h)))
+        y = layers.ReLU(6.0)(norm(layers.DepthwiseConv2D(3, strides=strides, padding="same")(y)))
+        y = norm(layers.Conv2D(filters, 1)(y))
+        h = h + y if strides == 1 and filters == h.shape[-1] else y
+    logits = layers.Dense(CLASSES)(layers.GlobalAveragePooling2D()(h))
+    return keras.Model(inputs, logits, name="mobilenet")
+
+
+CONV_BUILDERS = {"resnet": build_resnet, "convnext": build_convnext, "dwconv": build_depthwise,
+                 "mobilenet": build_mobilenet}
+
+
 def make_data(kind: str, batch_size: int):
     rng = np.random.default_rng(SEED)
     if kind == "bert":
@@ -194,6 +303,8 @@ def make_data(kind: str, batch_size: int):
         return ops.convert_to_tensor(x), ops.convert_to_tensor(y)
     if kind in ("tfm", "lstm"):
         x = rng.integers(0, VOCAB, size=(batch_size, SEQUENCE)).astype("int32")
+    elif kind in CONV_KINDS:
+        x = rng.normal(size=(batch_size, IMAGE, IMAGE, 3)).astype("float32")
     else:
         shape = (batch_size, 784) if kind == "mlp" else (batch_size, 28, 28, 1)
         x = rng.normal(size=shape).astype("float32")

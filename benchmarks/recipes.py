@@ -55,6 +55,7 @@ import pergrad
 from models import (
     BUCKET_SIZE,
     CLIP_NORM,
+    CONV_KINDS,
     HUB_KINDS,
     KRUM_BYZANTINE,
     LEARNING_RATE,
@@ -88,6 +89,8 @@ QUICK_VARIANTS = ("plain", "vmap clip", "pergrad median", "pergrad clip", "pergr
 QUICK_OPACUS = ("opacus clip", "opacus-plain")
 #: ``--suite lm``'s rows, and the recurrent models' (``--suite rnn``)
 LM_VARIANTS = ("plain", "pergrad mean", "pergrad clip", "pergrad dp", "pergrad-mat clip")
+#: the convolution models' rows (``--suite conv``)
+CONV_VARIANTS = ("plain", "pergrad clip", "pergrad dp", "pergrad-mat clip")
 #: the largest MLP batch with a ``jacobian median`` row in ``--suite coordinate``: that row
 #: took 0.6-1.6 s per step on mlp64 and 4.4-9.3 s on mlp256 (2-core machine)
 COORDINATE_JACOBIAN_MLP_BATCH = 64
@@ -513,6 +516,8 @@ def row_names(key: str, args) -> tuple[list[str], list[str]]:
         names = coordinate_variants(key)
     elif kind in HUB_KINDS + RNN_KINDS:
         names = [name for name in LM_VARIANTS if not unsupported(name, kind)]
+    elif kind in CONV_KINDS:
+        names = [name for name in CONV_VARIANTS if not unsupported(name, kind)]
     else:
         names = variant_names(args.aggregations, args.recipes, kind)
     if "plain" not in names:

@@ -785,11 +785,7 @@ def convolutions():
     """Grouped, depthwise, separable and transposed convolutions; group and RMS normalization."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((7, 7, 4))
-    # TensorFlow cannot form per-example gradients of a grouped convolution on either
-    # path (pfor's while loop runs Conv2DBackpropFilter, which rejects groups on CPU;
-    # README, Limitations).
-    groups = 1 if keras.backend.backend() == "tensorflow" else 2
-    hidden = keras.layers.Conv2D(4, 3, groups=groups, activation="relu")(inputs)
+    hidden = keras.layers.Conv2D(4, 3, groups=2, activation="relu")(inputs)
     hidden = keras.layers.DepthwiseConv2D(2)(hidden)
     hidden = keras.layers.GroupNormalization(2)(hidden)
     hidden = keras.layers.SeparableConv2D(3, 2, activation="tanh")(hidden)

@@ -15,6 +15,7 @@ import contextvars
 import threading
 
 import keras
+from keras.src.backend.common import backend_utils
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 
@@ -142,6 +143,39 @@ def trainable_variables(model) -> list:
 def non_trainable_variables(model) -> list:
     """``model.non_trainable_variables``, read once per step within :func:`one_read_per_step`."""
     return _read_once(model, "non_trainable_variables")
+
+
+def conv_transpose_left_pads(padding, kernel_size, strides, dilation, output_padding, in_sizes, out_sizes):
+    """Per spatial axis, the zeros before the output gradient of a transposed convolution
+    (``in_sizes`` to ``out_sizes``) in its adjoint convolution (``pergrad.layer_rules.conv``):
+    input position ``i`` meets output position ``i s + j d - pad`` at kernel offset ``j``.
+
+    TensorFlow pads as its forward "SAME" convolution would; Keras converts the padding for
+    JAX (``lax.conv_transpose``'s ``(left, right)``, Keras's
+    ``backend_utils._convert_conv_transpose_padding_args_from_keras_to_jax``), and crops
+    torch's output to JAX's window (Keras 3.15; before, torch's own symmetric padding, one
+    off where ``k - s`` is odd). ``None`` for a padding other than "valid" and "same"."""
+    if padding not in ("valid", "same"):
+        return None
+    if output_padding is None:
+        output_padding = (None,) * len(kernel_size)
+    backend = keras.backend.backend()
+    as_jax = backend == "jax" or (
+        backend == "torch" and hasattr(backend_utils, "compute_conv_transpose_output_crops_for_torch"))
+    pads = []
+    for k, s, d, extra, n, m in zip(kernel_size, strides, dilation, output_padding, in_sizes, out_sizes):
+        span = (k - 1) * d + 1
+        if as_jax:
+            left, _ = backend_utils._convert_conv_transpose_padding_args_from_keras_to_jax(
+                k, s, d, padding, extra)
+            pads.append(span - 1 - left)
+        elif backend == "torch":
+            pad, _ = backend_utils._convert_conv_transpose_padding_args_from_keras_to_torch(
+                k, s, d, padding, extra)
+            pads.append(pad)
+        else:
+            pads.append(0 if padding == "valid" else max(0, (n - 1) * s + span - m) // 2)
+    return pads
 
 
 def own_trainable_variables(layer) -> list:

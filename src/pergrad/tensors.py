@@ -55,10 +55,10 @@ def as_float32(tensor):
 
 def gram_block(rows, split=None):
     """``rows rowsᵀ`` of a ``(B, N)`` matrix, or only its block ``[:split, split:]`` (the
-    first ``split`` rows against the others) when ``split`` is given."""
-    if split is None:
-        return ops.matmul(rows, ops.transpose(rows))
-    return ops.matmul(rows[:split], ops.transpose(rows[split:]))
+    first ``split`` rows against the others) when ``split`` is given. An einsum: Keras's
+    torch ``matmul`` returns float32 for float64 operands."""
+    first, second = (rows, rows) if split is None else (rows[:split], rows[split:])
+    return ops.einsum("in,jn->ij", first, second)
 
 
 def batch_size_of(tensor):

@@ -114,18 +114,26 @@ def enabled() -> bool:
         return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower() not in ("0", "false")
 
 
-def _install() -> bool:
+def converter_registry(names):
+    """``(registry, wrap, converters)``: pfor's private converter registry, its ``wrap`` and
+    TensorFlow's converters of the ops ``names``; ``None`` where a TensorFlow release moved
+    them."""
     try:
         from tensorflow.python.ops.parallel_for import pfor
     except ImportError:
-        return False
+        return None
     registry = getattr(pfor, "_pfor_converter_registry", None)
     wrap = getattr(pfor, "wrap", None)
-    if not isinstance(registry, dict) or wrap is None:
+    if not isinstance(registry, dict) or wrap is None or any(registry.get(n) is None for n in names):
+        return None
+    return registry, wrap, [registry[n] for n in names]
+
+
+def _install() -> bool:
+    found = converter_registry(("BatchMatMulV2", "Einsum"))
+    if found is None:
         return False
-    original_matmul, original_einsum = registry.get("BatchMatMulV2"), registry.get("Einsum")
-    if original_matmul is None or original_einsum is None:
-        return False
+    registry, wrap, (original_matmul, original_einsum) = found
     if getattr(original_einsum, "pergrad", False):  # installed already (a reloaded module)
         return True
 

@@ -6,7 +6,7 @@ import warnings
 
 import tensorflow as tf
 
-from pergrad.backend import _tensorflow_onednn
+from pergrad.backend import _tensorflow_conv, _tensorflow_onednn  # noqa: F401 (pfor converters)
 
 
 def _dense(grads, params):

@@ -330,9 +330,32 @@ def replicas(model=None):
 
 
 def row_squared_norms_2d(delta):
-    """``(B,)``: each row's squared norm (one pass: ``sum(delta * delta)`` writes the squares
-    and reads them again, which costs on wide rows)."""
-    return torch.linalg.vector_norm(delta, dim=1).square()
+    """``(B,)``: each row's squared norm (:func:`_squared_row_norms`)."""
+    return _squared_row_norms(delta)
+
+
+#: entries per block of :func:`_squared_row_norms`
+_NORM_BLOCK = 1024
+
+
+def _squared_row_norms(rows):
+    """``(B,)``: the squared norms of the rows of ``(B, n)`` ``rows``, one pass over them
+    (``sum(r * r)`` writes the squares and reads them again: ~10x slower on wide rows), in
+    blocks of :data:`_NORM_BLOCK` entries whose squared norms are then summed.
+
+    Blocks, because torch's ``vector_norm`` adds a float32 row's squares one after the
+    other: over the 2M entries of a per-example kernel gradient it is ~6e-5 off (a sum's
+    rounding grows with the number of terms it adds in sequence), ``sum`` 1e-7.
+    """
+    size = rows.shape[1]
+    if size <= 2 * _NORM_BLOCK:
+        return torch.linalg.vector_norm(rows, dim=1).square()
+    head = size - size % _NORM_BLOCK
+    blocks = rows[:, :head].reshape(rows.shape[0], -1, _NORM_BLOCK)
+    total = torch.linalg.vector_norm(blocks, dim=2).square().sum(dim=1)
+    if head < size:
+        total = total + torch.linalg.vector_norm(rows[:, head:], dim=1).square()
+    return total
 
 
 def stack_columns(columns):
@@ -360,7 +383,7 @@ def example_squared_norms(gradients):
     """``(B,)``: each example's squared norm over all its entries (batch first, any rank)."""
     if gradients.dim() == 1:  # a scalar variable's
         return gradients.square()
-    return torch.linalg.vector_norm(gradients, dim=tuple(range(1, gradients.dim()))).square()
+    return _squared_row_norms(gradients.reshape(gradients.shape[0], -1))
 
 
 def example_weighted_sum(gradients, weights):
@@ -423,66 +446,24 @@ def mean_result(total, count):
     return torch.where(count == 0, torch.zeros_like(total), total / count)
 
 
-def _same_padding(size, kernel, stride, dilation):
-    """``(left, right)``: Keras's "same" padding of one spatial axis (its torch backend's:
-    the odd pixel at the end)."""
-    effective = (kernel - 1) * dilation + 1
-    if stride == 1:
-        total = effective - 1
-    else:
-        total = max(0, (-(-size // stride) - 1) * stride + effective - size)
-    return total // 2, total - total // 2
-
-
-#: the most patch entries ``conv_kernel_per_example`` forms (128 MiB of float32)
-PATCH_LIMIT = 1 << 25
-
-
-def conv_kernel_per_example(inputs, delta, kernel_size, strides, padding, dilation, channels_last):
-    """``(B,) + kernel_size + (C_in, C_out)``: example i's kernel gradient of an ungrouped
-    1-D or 2-D convolution (Keras's kernel layout) from its input ``inputs`` and the
-    gradient ``delta`` at its output (both batch first, in Keras's ``data_format``), or
-    ``None`` where this does not apply (another rank, an unknown padding, patches of more
-    than ``PATCH_LIMIT`` entries).
-
-    Example i's patches (a strided view of the channels-last input, copied once:
-    ``(B, L, k C_in)`` for ``L`` output positions) times its output gradient
-    ``(B, L, C_out)``: one batched matmul with the FLOPs of the plain backward pass's
-    kernel gradient, instead of a vectorized vjp of the layer (a recomputed forward pass
-    and a convolution backward that ``torch.func.vmap`` batches as a grouped one, ~2x
-    slower on CPU). ``unfold`` builds the same patches channels-first, 5x slower.
-    """
-    rank = inputs.dim() - 2
-    if rank not in (1, 2) or padding not in ("valid", "same"):
-        return None
-    x, d = inputs, delta
-    if not channels_last:
-        x, d = x.movedim(1, -1), d.movedim(1, -1)  # (B, *spatial, C)
-    kernel_size, strides, dilation = (tuple(int(k) for k in v) for v in (kernel_size, strides, dilation))
-    if rank == 1:
-        x, d = x.unsqueeze(1), d.unsqueeze(1)
-        kernel_size, strides, dilation = (1,) + kernel_size, (1,) + strides, (1,) + dilation
-    if padding == "same":
-        pads = [0, 0]  # F.pad: the last axis (channels) first
-        for axis in (1, 0):
-            pads += _same_padding(x.shape[1 + axis], kernel_size[axis], strides[axis], dilation[axis])
-        if any(pads):
-            x = torch.nn.functional.pad(x, pads)
+def conv_patches(inputs, kernel_size, strides, dilation, pads, out_sizes):
+    """``(B, T, k, C)``: a convolution's patches (``pergrad.layer_rules.conv.Patches``) by
+    one strided view of the padded channels-last input, copied once: a few ops where a
+    slice per kernel offset costs its ops each (49 for a 7 x 7 kernel; each torch call
+    ~10-30 us eagerly). ``unfold`` builds them channels-first, 5x slower."""
+    pad = [0, 0]  # F.pad: the last axis (channels) first
+    for left, right in reversed(pads):
+        pad += [left, right]
+    x = torch.nn.functional.pad(inputs, pad) if any(pad) else inputs
     x = x.contiguous()
-    batch, height, width, channels = x.shape
-    rows, columns = d.shape[1], d.shape[2]
-    (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilation
-    if rows != (height - (kh - 1) * dh - 1) // sh + 1 or columns != (width - (kw - 1) * dw - 1) // sw + 1:
-        return None
-    if batch * rows * columns * kh * kw * channels > PATCH_LIMIT:
-        return None  # the patches are k times the input: the vjp instead, without them
-    s0, s1, s2, s3 = x.stride()
-    patches = x.as_strided((batch, rows, columns, kh, kw, channels),
-                           (s0, s1 * sh, s2 * sw, s1 * dh, s2 * dw, s3))
-    patches = patches.reshape(batch, rows * columns, kh * kw * channels)
-    d = d.reshape(batch, rows * columns, d.shape[-1])
-    grads = torch.bmm(patches.transpose(1, 2), d).reshape(batch, kh, kw, channels, d.shape[-1])
-    return grads[:, 0] if rank == 1 else grads
+    steps = x.stride()
+    spatial = steps[1:-1]
+    view = x.as_strided(
+        (x.shape[0],) + tuple(out_sizes) + tuple(kernel_size) + (x.shape[-1],),
+        (steps[0],) + tuple(a * s for a, s in zip(spatial, strides))
+        + tuple(a * d for a, d in zip(spatial, dilation)) + (steps[-1],),
+    )
+    return view.reshape(x.shape[0], -1, int(np.prod(kernel_size)), x.shape[-1])
 
 
 def segment_sum_rows(rows, ids, count):

@@ -1,4 +1,5 @@
-"""Normalization layers (Layer, Group, RMS; keras-hub's RMS norms): the probe on the output.
+"""Normalization layers (Layer, Group, RMS; keras-hub's RMS norms) and ConvNeXt's
+``LayerScale``: the probe on the output.
 
 Their output is ``n(x) * m(scale) + offset`` with ``m`` affine (``scale``, or
 ``1 + scale`` in Gemma's norms), the scale and offset broadcast along trailing
@@ -7,9 +8,11 @@ axes. ``n(x)`` is the layer's own output with the scale at the value that makes
 example i's gradients are ``sum n(x_i) * D_i`` and ``sum D_i`` over the
 broadcast axes. A layer whose variables are not broadcast along trailing axes (a
 normalization axis other than the last) takes the layer's vectorized vjp.
+``LayerScale`` is the same with ``n(x) = x`` and no offset.
 
 keras-hub's norms are registered by their dotted paths (pergrad imports nothing
 from keras-hub); each computes ``x / rms(x) * m(scale)`` along the last axis.
+``LayerScale`` too (a class of ``keras.applications``' private modules).
 """
 
 from __future__ import annotations
@@ -50,6 +53,17 @@ class NormalizationRule(OutputRule):
 
 
 register_rule(keras.layers.GroupNormalization)(NormalizationRule)
+
+
+@register_rule("keras.src.applications.convnext.LayerScale")
+class LayerScaleRule(NormalizationRule):
+    """keras.applications ConvNeXt's ``LayerScale``, ``x * gamma`` (Touvron et al., "Going
+    deeper with Image Transformers", ICCV 2021): ``n(x) = x``."""
+
+    scale, offset = "gamma", None
+
+    def normalized(self, layer, inputs, scale, offset):
+        return inputs
 
 
 @register_rule(keras.layers.LayerNormalization)
