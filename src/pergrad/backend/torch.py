@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import threading
 import traceback
 
 import keras
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pergrad import compat
 from pergrad.backend import NotVectorizable
 from pergrad.backend._single_replica import (  # noqa: F401
     all_gather,
@@ -54,6 +56,55 @@ class _VmapWorkarounds(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_VECTORIZING = threading.local()
+
+
+def _install_per_example_seed_draws() -> bool:
+    """Wraps Keras's ``torch_seed_generator`` so that, inside our vectorized maps, a draw
+    from a per-example seed state comes from torch's default generator; returns whether
+    the wrapper is in place.
+
+    Keras's torch random ops (``Dropout`` with a ``seed`` or a ``noise_shape``, such as
+    EfficientNet's drop-connect; ``GaussianNoise``; ``GaussianDropout``) build a
+    ``torch.Generator`` from ``int(seed state)``. pergrad gives every example its own seed
+    state (docs/architecture.md, 'Randomness'), batched under ``torch.func.vmap``, which
+    cannot turn it into one Python number. There the draw takes no generator: under
+    ``vmap(randomness="different")`` torch's default generator gives every example its
+    own draw, as for unseeded ``Dropout`` (reproducible with ``keras.utils.set_random_seed``,
+    and restored with it when a chunk is recomputed). The layer's seed state still
+    advances as Keras's draw advances it. A seed that is the same for every example (an
+    ``int``) keeps Keras's seeded generator, the same draw for every example, as in a
+    batch of one. Outside our maps, or in another thread, Keras's function runs as is.
+    """
+    module = compat.keras_torch_random()
+    original = getattr(module, "torch_seed_generator", None)
+    draw_seed = getattr(module, "draw_seed", None)
+    if original is None or draw_seed is None:
+        return False
+    if getattr(original, "pergrad", False):  # installed already (a reloaded module)
+        return True
+
+    def torch_seed_generator(seed):
+        if not getattr(_VECTORIZING, "depth", 0):
+            return original(seed)
+        first, second = draw_seed(seed)
+        try:
+            value = int(first + second)
+        except RuntimeError:  # batched: a per-example seed state
+            return None
+        generator = torch.Generator(device=first.device)
+        generator.manual_seed(value & 0xFFFFFFFF)  # as Keras's
+        return generator
+
+    torch_seed_generator.pergrad = True
+    module.torch_seed_generator = torch_seed_generator
+    return True
+
+
+#: Whether seeded random layers draw per example inside our vectorized maps.
+PER_EXAMPLE_SEED_DRAWS = _install_per_example_seed_draws()
+
+
 @contextlib.contextmanager
 def _vectorizing(workarounds=True):
     """The context of our vectorized maps: :class:`_VmapWorkarounds` (unless
@@ -69,6 +120,7 @@ def _vectorizing(workarounds=True):
         stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
         if workarounds:
             stack.enter_context(_VmapWorkarounds())
+        _VECTORIZING.depth = getattr(_VECTORIZING, "depth", 0) + 1
         try:
             yield
         except RuntimeError as error:
@@ -76,6 +128,8 @@ def _vectorizing(workarounds=True):
             if cause is None:
                 raise
             raise cause from error
+        finally:
+            _VECTORIZING.depth -= 1
 
 
 def _frames(error):
