@@ -104,6 +104,18 @@ def einsum_without_unit_labels(equation, *operands):
     return out
 
 
+def softmax_in_two_dims(x, log=False):
+    """``tf.nn.softmax(x)`` (``log_softmax`` with ``log``) over the last axis, computed on
+    ``x`` flattened to a matrix and reshaped back: the same values, and no operand of
+    more than 5 dimensions for oneDNN's softmax, which refuses one ("Input dims must be
+    <= 5 and >=1"; pfor stacks the examples in front of an attention's 5-D scores)."""
+    op = tf.nn.log_softmax if log else tf.nn.softmax
+    if x.shape.rank is not None and x.shape.rank <= 2:
+        return op(x)
+    shape = tf.shape(x)
+    return tf.reshape(op(tf.reshape(x, tf.stack([-1, shape[-1]]))), shape)
+
+
 def enabled() -> bool:
     """Whether this process runs TensorFlow's oneDNN kernels (fixed when TensorFlow loads)."""
     try:
@@ -152,8 +164,21 @@ def _install() -> bool:
         return wrap(einsum_without_unit_labels(f"{','.join(terms)}->{loop}{output}",
                                                *[t for t, *_ in inputs]), True)
 
+    def softmax_converter(original, log):
+        def convert(pfor_input):
+            if not _active():
+                return original(pfor_input)
+            return wrap(softmax_in_two_dims(pfor_input.stacked_input(0), log=log), True)
+
+        convert.pergrad = True
+        return convert
+
+    softmaxes = {name: registry.get(name) for name in ("Softmax", "LogSoftmax")}
     batch_matmul_v2.pergrad = einsum.pergrad = True
     registry["BatchMatMulV2"], registry["Einsum"] = batch_matmul_v2, einsum
+    for name, original in softmaxes.items():
+        if original is not None:  # (without it, TensorFlow's: a model of fewer dimensions runs)
+            registry[name] = softmax_converter(original, log=name == "LogSoftmax")
     return True
 
 
