@@ -256,3 +256,16 @@ def test_the_keras_io_fine_tuning_recipe_is_refused_with_the_working_recipe():
         wrapper.compile(optimizer="sgd", loss=_loss())
         history = wrapper.fit(x, y, batch_size=B, epochs=2, verbose=0)
         assert np.all(np.isfinite(history.history["loss"]))
+
+
+def test_operations_of_the_graph_are_cloned_too():
+    """A functional model holds operations that are not layers (``a + b`` on symbolic tensors,
+    as ConvNeXt's residuals): they are rebuilt, with nothing to copy."""
+    inputs = keras.Input((6, 6, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same")(inputs)
+    h = keras.layers.BatchNormalization()(h) + h
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+    converted = replace_batch_normalization(model, groups=2)
+    x = np.random.default_rng(0).normal(size=(2, 6, 6, 3)).astype("float32")
+    assert converted(x).shape == (2, 2)
+    assert not _layers(converted, keras.layers.BatchNormalization)

@@ -184,6 +184,8 @@ def replace_batch_normalization(model, groups: int = 32):
     converted = keras.models.clone_model(model, clone_function=clone, recursive=True,
                                          call_function=None if isinstance(model, keras.Sequential) else call)
     for old, new in pairs:
+        if not isinstance(old, keras.layers.Layer):  # an operation of the graph (`a + b`): no weights
+            continue
         if isinstance(old, keras.layers.BatchNormalization) and old.trainable:
             if old.scale:
                 new.gamma.assign(old.gamma)
