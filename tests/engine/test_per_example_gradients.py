@@ -294,6 +294,23 @@ def test_random_layers_with_seeds(layer):
     assert len({tuple(np.round(row, 6)) for row in flat}) == len(x)
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's seeded generators")
+def test_without_pergrads_seed_draws_torch_names_the_seeded_layer(monkeypatch):
+    """Where pergrad could not wrap Keras's ``torch_seed_generator`` (a Keras that moved it),
+    the error names the seeded random layers and the ways out."""
+    from pergrad import compat
+    from pergrad.backend import torch as torch_adapter
+
+    module = compat.keras_torch_random()
+    monkeypatch.setattr(module, "torch_seed_generator", module.torch_seed_generator.original)
+    monkeypatch.setattr(torch_adapter, "PER_EXAMPLE_SEED_DRAWS", False)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                              keras.layers.Dropout(0.5, noise_shape=(None, 1)), keras.layers.Dense(2)])
+    model.compile(loss="mse")
+    with pytest.raises(NotImplementedError, match=r"(?s)noise_shape.*training=False"):
+        pergrad.per_example_gradients(model, np.ones((4, 5), "float32"), np.zeros((4, 2), "float32"))
+
+
 def _drop_connect(middle, seed=0):
     """A residual block whose branch goes through ``middle`` (EfficientNet's drop-connect:
     ``Dropout(noise_shape=(None, 1, 1, 1))`` keeps or drops an example's whole branch)."""

@@ -1,4 +1,4 @@
-"""pfor conversions of matrix products that TensorFlow's oneDNN kernels compute correctly.
+"""pfor conversions of matrix products (and softmaxes) that TensorFlow's oneDNN kernels compute correctly.
 
 TensorFlow 2.21 on x86 runs ``BatchMatMulV2`` and ``Einsum`` with oneDNN's
 matmul (on by default; ``TF_ENABLE_ONEDNN_OPTS=0`` turns it off). Its x64
@@ -22,6 +22,11 @@ of ``BatchMatMulV2`` and ``Einsum`` drop every axis of size 1 in all operands
 (the example's batch of one, a single head) before the product and restore it
 after: the same values, computed on ``(B, T, d)``, and no 4-D operand with a
 unit second axis is left. Elsewhere TensorFlow's own converters run.
+
+oneDNN's ``Softmax`` also refuses an operand of more than 5 dimensions ("Input dims must
+be <= 5 and >=1"): keras-hub Gemma's attention scores are 5-D for one example, 6-D once
+pfor stacks the examples. While pergrad converts its functions, ``Softmax`` and
+``LogSoftmax`` run on the operand flattened to a matrix (:func:`softmax_in_two_dims`).
 
 pfor has no public hook for this: the converters are replaced in its registry
 (``tensorflow.python.ops.parallel_for.pfor``). :data:`INSTALLED` says whether

@@ -97,6 +97,7 @@ def _install_per_example_seed_draws() -> bool:
         return generator
 
     torch_seed_generator.pergrad = True
+    torch_seed_generator.original = original
     module.torch_seed_generator = torch_seed_generator
     return True
 
@@ -150,14 +151,18 @@ def _not_vectorizable(error):
     if "vmap:" not in message:
         return None
     frames = _frames(error)
-    if any(frame.filename.endswith(os.path.join("backend", "torch", "random.py")) for frame in frames):
+    random_ops = os.path.join("backend", "torch", "random.py")
+    in_random = any(frame.filename.endswith(random_ops) for frame in frames)
+    if in_random and not PER_EXAMPLE_SEED_DRAWS:
         return NotVectorizable(
             "torch.func.vmap cannot compute per-example gradients of this model: its "
             "forward pass turns a tensor into a Python number. Keras on torch does this "
-            "for every random layer that draws from a seed (Dropout(seed=...), "
-            "GaussianNoise, GaussianDropout, ...): it builds a torch.Generator from the "
-            "seed's value. Use Dropout without a seed (keras.utils.set_random_seed seeds "
-            "it), run the pass with training=False, or use the TensorFlow or JAX backend."
+            "for every random layer that draws from a seed (Dropout(seed=...) or "
+            "Dropout(noise_shape=...), GaussianNoise, GaussianDropout, ...): it builds a "
+            "torch.Generator from the seed's value, and pergrad could not take over those "
+            "draws in this Keras (keras.src.backend.torch.random.torch_seed_generator moved). "
+            "Use Dropout without a seed or noise_shape, run the pass with training=False, or "
+            "use the TensorFlow or JAX backend."
         )
     # The innermost frame of the user's code, else of Keras's.
     libraries = [os.path.dirname(module.__file__) for module in (torch, os, keras)]
