@@ -106,7 +106,12 @@ def _backbone(name: str, mode: str, seed: int = 0):
     replaced by GroupNormalization)."""
     size = smallest_input(name)
     keras.utils.set_random_seed(seed)
-    base = CONSTRUCTORS[name](weights=None, include_top=False, input_shape=(size, size, 3))
+    try:
+        base = CONSTRUCTORS[name](weights=None, include_top=False, input_shape=(size, size, 3))
+    except ValueError as error:  # "NASNetMobile is not available with the torch backend ..."
+        if "not available with the" in str(error):
+            pytest.skip(str(error).split(". ")[0])
+        raise
     inputs = keras.Input((size, size, 3))
     hidden = keras.layers.GlobalAveragePooling2D()(base(inputs, training=False))
     if mode == "transfer":

@@ -105,10 +105,15 @@ def test_conversion_keeps_the_structure_and_the_weights():
     trainable = [v.path for v in model.trainable_variables]
     assert [v.path for v in converted.trainable_variables] == trainable
     assert len(converted.weights) == len(model.weights) - 2 * 3
-    # The original is left as it was, and still refused.
+    # Training the copy leaves the original as it was (on JAX, a step donates the arrays it
+    # trains: a copy sharing the original's would delete them), and still refused.
+    x, y = _data()
+    converted.compile(optimizer="sgd", loss=_loss())
+    converted.fit(x, y, batch_size=B, epochs=1, verbose=0)
     assert {v.path: v.numpy() for v in model.weights}.keys() == start.keys()
     for v in model.weights:
         np.testing.assert_array_equal(v.numpy(), start[v.path])
+    assert model.predict(x, verbose=0).shape == (B, 3)
     assert len(_layers(model, keras.layers.BatchNormalization)) == 3
 
 

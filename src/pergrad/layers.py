@@ -187,10 +187,12 @@ def replace_batch_normalization(model, groups: int = 32):
         if not isinstance(old, keras.layers.Layer):  # an operation of the graph (`a + b`): no weights
             continue
         if isinstance(old, keras.layers.BatchNormalization) and old.trainable:
+            # Copies (NumPy): a variable assigned another's array shares it on JAX, where a
+            # training step that donates it would delete the original's.
             if old.scale:
-                new.gamma.assign(old.gamma)
+                new.gamma.assign(old.gamma.numpy())
             if old.center:
-                new.beta.assign(old.beta)
+                new.beta.assign(old.beta.numpy())
         else:
             new.set_weights(old.get_weights())
     _copy_trainable_flags(model, converted)
