@@ -676,6 +676,18 @@ def llama_lm(batch=BATCH, seed=0):
     return _language_model("llama_lm", keras_hub.models.LlamaCausalLM, backbone, batch, _rng(seed), 8, 60)
 
 
+def gemma_lm(batch=BATCH, seed=0):
+    """keras-hub Gemma: grouped-query attention whose scores are 5-D for one example
+    (batch, key/value heads, query groups, queries, keys), RMS norms, a tied LM head."""
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=60, num_layers=1, num_query_heads=2,
+                                              num_key_value_heads=1, hidden_dim=8, intermediate_dim=16,
+                                              head_dim=4)
+    return _language_model("gemma_lm", keras_hub.models.GemmaCausalLM, backbone, batch, _rng(seed), 8, 60)
+
+
 def vit_classifier(batch=BATCH, seed=0):
     """keras-hub ViT: patches, a class token, constant position ids, an encoder block."""
     import keras_hub
@@ -697,7 +709,7 @@ def vit_classifier(batch=BATCH, seed=0):
 KERAS_HUB_PROBLEMS = {factory.__name__: factory for factory in (keras_hub_text, keras_hub_patches)}
 #: keras-hub's architectures (test_keras_hub.py)
 KERAS_HUB_MODELS = {
-    factory.__name__: factory for factory in (bert_classifier, gpt2_lm, llama_lm, vit_classifier)
+    factory.__name__: factory for factory in (bert_classifier, gpt2_lm, llama_lm, vit_classifier, gemma_lm)
 }
 
 

@@ -2,7 +2,7 @@
 
 import importlib
 
-from pergrad import aggregators, layer_rules
+from pergrad import aggregators, layer_rules, layers
 from pergrad.engine import per_example_gradients
 from pergrad.engine.statistics import per_example_statistics
 from pergrad.model import PerExampleModel
@@ -12,6 +12,7 @@ __all__ = [
     "PerExampleModel",
     "aggregators",
     "layer_rules",
+    "layers",
     "per_example_gradients",
     "per_example_statistics",
     "privacy",

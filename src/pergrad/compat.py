@@ -66,6 +66,24 @@ def flatten_layers(layer, include_self: bool = True, recursive: bool = True) -> 
     return layer._flatten_layers(include_self=include_self, recursive=recursive)
 
 
+def keras_torch_random():
+    """``keras.src.backend.torch.random``: Keras's torch random ops, whose
+    ``torch_seed_generator`` the torch adapter wraps inside its vectorized maps (a
+    ``SeedGenerator`` drawn per example there, docs/architecture.md, 'Known traps')."""
+    from keras.src.backend.torch import random
+
+    return random
+
+
+def is_functional(layer) -> bool:
+    """Whether ``layer`` is a ``keras.src.models.functional.Functional`` model (built from
+    inputs and outputs, as ``keras.Model(inputs, outputs)`` and ``keras.applications``'
+    models are; not ``Sequential``), whose graph ``keras.models.clone_model`` rebuilds."""
+    from keras.src.models.functional import Functional
+
+    return isinstance(layer, Functional)
+
+
 def seed_generators(layer) -> list:
     """``Layer._seed_generators``: the SeedGenerators a layer owns, whose states Keras does not save."""
     return layer._seed_generators

@@ -202,6 +202,21 @@ print(json.dumps(report))
 """
 
 
+def _run_with_onednn(script):
+    """The JSON report ``script`` prints last, run in a fresh TensorFlow process with oneDNN
+    on (a crash cannot kill pytest)."""
+    environment = dict(os.environ, KERAS_BACKEND="tensorflow", TF_ENABLE_ONEDNN_OPTS="1")
+    environment["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(SOURCE), str(TESTS), os.environ.get("PYTHONPATH")])
+    )
+    completed = subprocess.run([sys.executable, "-c", script], env=environment,
+                               capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, (
+        f"exit status {completed.returncode} (negative: killed by a signal)\n{completed.stderr[-3000:]}"
+    )
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
 @tensorflow_only
 def test_attention_models_train_exactly_with_onednn_on():
     """oneDNN on (TensorFlow's default on x86): the keras.io transformer (token and position
@@ -209,21 +224,60 @@ def test_attention_models_train_exactly_with_onednn_on():
     (materialized, statistics, chunked, streaming) in a fresh process, exact to the
     batch-of-one oracle and to plain ``fit()``; before pergrad's conversions the process
     aborted (``free(): invalid pointer``) or segfaulted here."""
-    environment = dict(os.environ, KERAS_BACKEND="tensorflow", TF_ENABLE_ONEDNN_OPTS="1")
-    environment["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(SOURCE), str(TESTS), os.environ.get("PYTHONPATH")])
-    )
-    completed = subprocess.run([sys.executable, "-c", _ONEDNN_ON], env=environment,
-                               capture_output=True, text=True, timeout=600)
-    assert completed.returncode == 0, (
-        f"exit status {completed.returncode} (negative: killed by a signal)\n{completed.stderr[-3000:]}"
-    )
-    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    report = _run_with_onednn(_ONEDNN_ON)
     assert report.pop("onednn") is True
     moved = {key: report.pop(key) for key in list(report) if key.endswith(" moved")}
     assert all(change > 1e-5 for runs in moved.values() for change in runs.values()), moved
     bad = {key: error for key, error in report.items() if not error <= 1e-5}
     assert not bad, report
+
+
+_GEMMA_ONEDNN_ON = """
+import json
+import numpy as np
+import oracle, pergrad, problems
+from pergrad.backend import _tensorflow_onednn
+
+problem = problems.gemma_lm(batch=3)
+problem.compile()
+model, x, y, weights = problem.model, problem.x, problem.y, problem.sample_weight
+expected = oracle.batch_of_one_gradients(model, x, y, weights)
+largest = max(float(np.max(np.abs(e))) for e in expected)
+grads = pergrad.per_example_gradients(model, x, y, weights)  # the materialized path
+error = max(float(np.max(np.abs(np.asarray(g) - e))) for g, e in zip(grads, expected)) / largest
+norms = np.stack([np.sum(np.reshape(e, (len(e), -1)) ** 2, axis=1) for e in expected], axis=1)
+stats = pergrad.per_example_statistics(model, x, y, weights).squared_norms
+print(json.dumps({"onednn": _tensorflow_onednn.enabled(), "materialized": error,
+                  "statistics": float(np.max(np.abs(np.asarray(stats) - norms)) / np.max(norms))}))
+"""
+
+
+@tensorflow_only
+def test_softmax_in_two_dimensions_equals_tensorflows():
+    import tensorflow as tf
+
+    from pergrad.backend._tensorflow_onednn import softmax_in_two_dims
+
+    scores = np.random.default_rng(0).normal(size=(3, 1, 2, 1, 4, 5))
+    # (NumPy's: TensorFlow's own softmax refuses 6 dimensions under oneDNN)
+    log_softmax = scores - scores.max(-1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(-1, keepdims=True))
+    for log, expected in ((False, np.exp(log_softmax)), (True, log_softmax)):
+        for index in ((), (0, 0, 0), (0, 0, 0, 0, 0)):
+            actual = softmax_in_two_dims(tf.constant(scores[index], tf.float32), log=log)
+            np.testing.assert_allclose(actual.numpy(), expected[index], rtol=1e-5, atol=1e-6)
+
+
+@tensorflow_only
+def test_gemma_per_example_gradients_with_onednn_on():
+    """keras-hub Gemma's attention scores are 5-D for one example: pfor's stacked 6-D softmax
+    aborted under oneDNN ("Input dims must be <= 5"); pergrad's converter computes it on a
+    matrix. The materialized path (every arbitrary rule's) and the statistics path are exact
+    to the batch-of-one oracle in a fresh process with oneDNN on."""
+    pytest.importorskip("keras_hub")
+    report = _run_with_onednn(_GEMMA_ONEDNN_ON)
+    assert report.pop("onednn") is True
+    assert all(error <= 1e-5 for error in report.values()), report
 
 
 @tensorflow_only

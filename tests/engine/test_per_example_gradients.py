@@ -281,22 +281,92 @@ def test_dropout_masks_are_independent_fair_draws_per_example():
     ids=["seeded_dropout", "gaussian_noise", "gaussian_dropout"],
 )
 def test_random_layers_with_seeds(layer):
-    """Layers that draw from a seed: per-example noise on TF and JAX. On torch, Keras turns
-    the seed into a Python int for a ``torch.Generator``, which ``torch.func.vmap`` cannot
-    batch: pergrad raises a clear error (unseeded Dropout works there, see above)."""
+    """Layers that draw from a seed state draw per example, on every backend. (On torch,
+    Keras turns the seed into a Python int for a ``torch.Generator``, which
+    ``torch.func.vmap`` cannot batch: pergrad draws from torch's generator there.)"""
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [keras.Input((5,)), keras.layers.Dense(16, activation="tanh"), layer(), keras.layers.Dense(2)]
     )
     model.compile(loss="mse")
     x, y = np.ones((4, 5), "float32"), np.zeros((4, 2), "float32")
-    if BACKEND == "torch":
-        with pytest.raises(NotImplementedError, match=r"(?s)Dropout\(seed=\.\.\.\).*training=False"):
-            pergrad.per_example_gradients(model, x, y)
-        assert len(pergrad.per_example_gradients(model, x, y, training=False)) == 4
-        return
     flat = _flat(pergrad.per_example_gradients(model, x, y))
     assert len({tuple(np.round(row, 6)) for row in flat}) == len(x)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's seeded generators")
+def test_without_pergrads_seed_draws_torch_names_the_seeded_layer(monkeypatch):
+    """Where pergrad could not wrap Keras's ``torch_seed_generator`` (a Keras that moved it),
+    the error names the seeded random layers and the ways out."""
+    from pergrad import compat
+    from pergrad.backend import torch as torch_adapter
+
+    module = compat.keras_torch_random()
+    monkeypatch.setattr(module, "torch_seed_generator", module.torch_seed_generator.original)
+    monkeypatch.setattr(torch_adapter, "PER_EXAMPLE_SEED_DRAWS", False)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                              keras.layers.Dropout(0.5, noise_shape=(None, 1)), keras.layers.Dense(2)])
+    model.compile(loss="mse")
+    with pytest.raises(NotImplementedError, match=r"(?s)noise_shape.*training=False"):
+        pergrad.per_example_gradients(model, np.ones((4, 5), "float32"), np.zeros((4, 2), "float32"))
+
+
+def _drop_connect(middle, seed=0):
+    """A residual block whose branch goes through ``middle`` (EfficientNet's drop-connect:
+    ``Dropout(noise_shape=(None, 1, 1, 1))`` keeps or drops an example's whole branch)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4, 4, 3))
+    trunk = keras.layers.Conv2D(4, 3, padding="same", activation="tanh", name="trunk")(inputs)
+    branch = keras.layers.Conv2D(4, 1, name="branch")(trunk)
+    hidden = keras.layers.Add()([trunk, middle(branch)])
+    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(hidden))
+    model.compile(loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("seed", [None, 7], ids=["unseeded", "seeded"])
+def test_drop_connect_gives_each_example_its_own_exact_mask(seed):
+    """Each example's gradient is the batch-of-one gradient with its branch kept (scaled by
+    ``1 / (1 - rate)``) or dropped, both occur, and clipping trains on the statistics path as
+    on the materialized path (the same draws)."""
+    rate = 0.5
+
+    def make():  # (the same weights and seed states each time)
+        return _drop_connect(lambda t: keras.layers.Dropout(rate, noise_shape=(None, 1, 1, 1), seed=seed)(t))
+
+    model = make()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4, 4, 3)).astype("float32")
+    y = rng.integers(0, 2, size=(8, 1)).astype("float32")
+    outcomes = {}
+    for name, scale in (("kept", 1 / (1 - rate)), ("dropped", 0.0)):
+        reference = _drop_connect(lambda t, scale=scale: keras.layers.Rescaling(scale)(t))
+        reference.set_weights(model.get_weights())
+        outcomes[name] = oracle.batch_of_one_gradients(reference, x, y)
+    grads = _numpy(pergrad.per_example_gradients(model, x, y))
+    found = []
+    for i in range(len(x)):
+        for name, expected in outcomes.items():
+            if all(np.allclose(g[i], e[i], rtol=1e-5, atol=1e-6) for g, e in zip(grads, expected)):
+                found.append(name)
+                break
+        else:
+            raise AssertionError(f"example {i}'s gradient is neither the kept nor the dropped branch's")
+    assert set(found) == {"kept", "dropped"}, found
+
+    start = model.get_weights()
+    weights = {}
+    for path in ("materialized", "statistics"):
+        model = make()
+        wrapper = pergrad.PerExampleModel(model, pergrad.aggregators.clip(0.05), path=path)
+        wrapper.compile(optimizer=keras.optimizers.SGD(0.5), loss=model.loss)
+        keras.utils.set_random_seed(3)  # the same draws on both paths
+        wrapper.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        weights[path] = model.get_weights()
+    for a, b in zip(weights["statistics"], weights["materialized"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(weights["statistics"], start)) > 1e-4
 
 
 def test_sample_weight_tensor_is_not_modified():

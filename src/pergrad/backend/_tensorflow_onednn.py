@@ -1,4 +1,4 @@
-"""pfor conversions of matrix products that TensorFlow's oneDNN kernels compute correctly.
+"""pfor conversions of matrix products (and softmaxes) that TensorFlow's oneDNN kernels compute correctly.
 
 TensorFlow 2.21 on x86 runs ``BatchMatMulV2`` and ``Einsum`` with oneDNN's
 matmul (on by default; ``TF_ENABLE_ONEDNN_OPTS=0`` turns it off). Its x64
@@ -22,6 +22,11 @@ of ``BatchMatMulV2`` and ``Einsum`` drop every axis of size 1 in all operands
 (the example's batch of one, a single head) before the product and restore it
 after: the same values, computed on ``(B, T, d)``, and no 4-D operand with a
 unit second axis is left. Elsewhere TensorFlow's own converters run.
+
+oneDNN's ``Softmax`` also refuses an operand of more than 5 dimensions ("Input dims must
+be <= 5 and >=1"): keras-hub Gemma's attention scores are 5-D for one example, 6-D once
+pfor stacks the examples. While pergrad converts its functions, ``Softmax`` and
+``LogSoftmax`` run on the operand flattened to a matrix (:func:`softmax_in_two_dims`).
 
 pfor has no public hook for this: the converters are replaced in its registry
 (``tensorflow.python.ops.parallel_for.pfor``). :data:`INSTALLED` says whether
@@ -104,6 +109,18 @@ def einsum_without_unit_labels(equation, *operands):
     return out
 
 
+def softmax_in_two_dims(x, log=False):
+    """``tf.nn.softmax(x)`` (``log_softmax`` with ``log``) over the last axis, computed on
+    ``x`` flattened to a matrix and reshaped back: the same values, and no operand of
+    more than 5 dimensions for oneDNN's softmax, which refuses one ("Input dims must be
+    <= 5 and >=1"; pfor stacks the examples in front of an attention's 5-D scores)."""
+    op = tf.nn.log_softmax if log else tf.nn.softmax
+    if x.shape.rank is not None and x.shape.rank <= 2:
+        return op(x)
+    shape = tf.shape(x)
+    return tf.reshape(op(tf.reshape(x, tf.stack([-1, shape[-1]]))), shape)
+
+
 def enabled() -> bool:
     """Whether this process runs TensorFlow's oneDNN kernels (fixed when TensorFlow loads)."""
     try:
@@ -160,8 +177,21 @@ def _install() -> bool:
         return wrap(einsum_without_unit_labels(f"{','.join(terms)}->{loop}{output}",
                                                *[t for t, *_ in inputs]), True)
 
+    def softmax_converter(original, log):
+        def convert(pfor_input):
+            if not _active():
+                return original(pfor_input)
+            return wrap(softmax_in_two_dims(pfor_input.stacked_input(0), log=log), True)
+
+        convert.pergrad = True
+        return convert
+
+    softmaxes = {name: registry.get(name) for name in ("Softmax", "LogSoftmax")}
     batch_matmul_v2.pergrad = einsum.pergrad = True
     registry["BatchMatMulV2"], registry["Einsum"] = batch_matmul_v2, einsum
+    for name, original in softmaxes.items():
+        if original is not None:  # (without it, TensorFlow's: a model of fewer dimensions runs)
+            registry[name] = softmax_converter(original, log=name == "LogSoftmax")
     return True
 
 

@@ -123,6 +123,56 @@ def _pass():
         _PASSES.depth -= 1
 
 
+_VECTORIZING = threading.local()
+
+
+def _install_per_example_seed_draws() -> bool:
+    """Wraps Keras's ``torch_seed_generator`` so that, inside our vectorized maps, a draw
+    from a per-example seed state comes from torch's default generator; returns whether
+    the wrapper is in place.
+
+    Keras's torch random ops (``Dropout`` with a ``seed`` or a ``noise_shape``, such as
+    EfficientNet's drop-connect; ``GaussianNoise``; ``GaussianDropout``) build a
+    ``torch.Generator`` from ``int(seed state)``. pergrad gives every example its own seed
+    state (docs/architecture.md, 'Randomness'), batched under ``torch.func.vmap``, which
+    cannot turn it into one Python number. There the draw takes no generator: under
+    ``vmap(randomness="different")`` torch's default generator gives every example its
+    own draw, as for unseeded ``Dropout`` (reproducible with ``keras.utils.set_random_seed``,
+    and restored with it when a chunk is recomputed). The layer's seed state still
+    advances as Keras's draw advances it. A seed that is the same for every example (an
+    ``int``) keeps Keras's seeded generator, the same draw for every example, as in a
+    batch of one. Outside our maps, or in another thread, Keras's function runs as is.
+    """
+    module = compat.keras_torch_random()
+    original = getattr(module, "torch_seed_generator", None)
+    draw_seed = getattr(module, "draw_seed", None)
+    if original is None or draw_seed is None:
+        return False
+    if getattr(original, "pergrad", False):  # installed already (a reloaded module)
+        return True
+
+    def torch_seed_generator(seed):
+        if not getattr(_VECTORIZING, "depth", 0):
+            return original(seed)
+        first, second = draw_seed(seed)
+        try:
+            value = int(first + second)
+        except RuntimeError:  # batched: a per-example seed state
+            return None
+        generator = torch.Generator(device=first.device)
+        generator.manual_seed(value & 0xFFFFFFFF)  # as Keras's
+        return generator
+
+    torch_seed_generator.pergrad = True
+    torch_seed_generator.original = original
+    module.torch_seed_generator = torch_seed_generator
+    return True
+
+
+#: Whether seeded random layers draw per example inside our vectorized maps.
+PER_EXAMPLE_SEED_DRAWS = _install_per_example_seed_draws()
+
+
 @contextlib.contextmanager
 def _vectorizing(workarounds=True):
     """The context of our vectorized maps: :class:`_VmapWorkarounds` (unless
@@ -140,6 +190,7 @@ def _vectorizing(workarounds=True):
         stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
         if workarounds:
             stack.enter_context(_VmapWorkarounds())
+        _VECTORIZING.depth = getattr(_VECTORIZING, "depth", 0) + 1
         try:
             yield
         except RuntimeError as error:
@@ -147,6 +198,8 @@ def _vectorizing(workarounds=True):
             if cause is None:
                 raise
             raise cause from error
+        finally:
+            _VECTORIZING.depth -= 1
 
 
 def _frames(error):
@@ -167,14 +220,18 @@ def _not_vectorizable(error):
     if "vmap:" not in message:
         return None
     frames = _frames(error)
-    if any(frame.filename.endswith(os.path.join("backend", "torch", "random.py")) for frame in frames):
+    random_ops = os.path.join("backend", "torch", "random.py")
+    in_random = any(frame.filename.endswith(random_ops) for frame in frames)
+    if in_random and not PER_EXAMPLE_SEED_DRAWS:
         return NotVectorizable(
             "torch.func.vmap cannot compute per-example gradients of this model: its "
             "forward pass turns a tensor into a Python number. Keras on torch does this "
-            "for every random layer that draws from a seed (Dropout(seed=...), "
-            "GaussianNoise, GaussianDropout, ...): it builds a torch.Generator from the "
-            "seed's value. Use Dropout without a seed (keras.utils.set_random_seed seeds "
-            "it), run the pass with training=False, or use the TensorFlow or JAX backend."
+            "for every random layer that draws from a seed (Dropout(seed=...) or "
+            "Dropout(noise_shape=...), GaussianNoise, GaussianDropout, ...): it builds a "
+            "torch.Generator from the seed's value, and pergrad could not take over those "
+            "draws in this Keras (keras.src.backend.torch.random.torch_seed_generator moved). "
+            "Use Dropout without a seed or noise_shape, run the pass with training=False, or "
+            "use the TensorFlow or JAX backend."
         )
     # The innermost frame of the user's code, else of Keras's.
     libraries = [os.path.dirname(module.__file__) for module in (torch, os, keras)]

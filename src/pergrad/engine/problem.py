@@ -22,6 +22,7 @@ from keras import ops, tree
 
 from pergrad import compat, replicas
 from pergrad.backend import adapter, traced_apart
+from pergrad.layers import batch_normalization_refusal
 from pergrad.tensors import scale_rows
 
 # Per-example RNG streams: example i draws from the seed state offset by
@@ -193,15 +194,6 @@ def _masks(y_pred) -> list:
     return masks
 
 
-def batch_normalization_layers(model) -> list:
-    """Layers that mix examples in the forward pass when training."""
-    return [
-        layer
-        for layer in compat.flatten_layers(model, include_self=False, recursive=True)
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-    ]
-
-
 def check_model(model, training: bool = True) -> None:
     """Raises a clear error for models whose per-example gradients are undefined.
 
@@ -223,17 +215,9 @@ def _check_model(model, training: bool) -> bool:
             "per-example gradients."
         )
     adapter().check_known_problems(compat.flatten_layers(model, include_self=False))
-    if training:
-        mixing = batch_normalization_layers(model)
-        if mixing:
-            names = ", ".join(repr(layer.name) for layer in mixing)
-            raise ValueError(
-                f"Layer(s) {names} (BatchNormalization) normalize with statistics of "
-                "the whole batch in training mode, so one example's loss depends on "
-                "the other examples and per-example gradients are undefined. Use "
-                "LayerNormalization or GroupNormalization instead, or freeze the "
-                "layer (layer.trainable = False runs it in inference mode)."
-            )
+    refusal = training and batch_normalization_refusal(model, "per-example gradients are undefined")
+    if refusal:
+        raise ValueError(f"Model {model.name!r}: {refusal}")
     return True
 
 

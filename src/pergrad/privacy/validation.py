@@ -24,6 +24,7 @@ import keras
 from keras import tree
 
 from pergrad import compat
+from pergrad.layers import batch_normalization_refusal
 
 
 class NotPrivateError(ValueError):
@@ -58,13 +59,8 @@ def validate_model_for_dp(model, x=None) -> None:
         x: optional sample inputs for the forward-pass check.
     """
     problems = []
+    mixing = batch_normalization_refusal(model, "clipping no longer bounds its influence")
     for layer in _layers(model):
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-            problems.append(
-                f"{layer.name!r} (BatchNormalization) mixes the examples of a batch in "
-                "training mode; use LayerNormalization or GroupNormalization, or freeze it "
-                "(layer.trainable = False)"
-            )
         if getattr(layer, "stateful", False):
             problems.append(
                 f"{layer.name!r} is stateful: its state carries data across batches "
@@ -75,7 +71,7 @@ def validate_model_for_dp(model, x=None) -> None:
                 f"{layer.name!r} has an activity_regularizer: a data-dependent loss outside "
                 "the per-example losses"
             )
-    if x is not None and not problems:
+    if x is not None and not problems and not mixing:
         variables = [v for v in model.non_trainable_variables if not _is_seed_state(v)]
         with keras.StatelessScope() as scope:
             model(tree.map_structure(keras.ops.convert_to_tensor, x), training=True)
@@ -85,10 +81,9 @@ def validate_model_for_dp(model, x=None) -> None:
                     f"the forward pass updates {variable.path!r} from the data; it would be "
                     "released without noise"
                 )
-    if problems:
-        raise NotPrivateError(
-            f"Model {model.name!r} cannot be trained with differential privacy: " + "; ".join(problems) + "."
-        )
+    if problems or mixing:
+        found = " ".join(filter(None, [("; ".join(problems) + ".") if problems else "", mixing]))
+        raise NotPrivateError(f"Model {model.name!r} cannot be trained with differential privacy: {found}")
 
 
 def check_units_match(aggregator, sampler) -> None:
