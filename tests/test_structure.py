@@ -65,7 +65,8 @@ def test_only_the_backend_adapters_import_a_backend():
         if pattern.search(path.read_text())
     )
     assert importing == [
-        "backend/_tensorflow_onednn.py", "backend/jax.py", "backend/tensorflow.py", "backend/torch.py"
+        "backend/_tensorflow_conv.py", "backend/_tensorflow_onednn.py", "backend/jax.py",
+        "backend/tensorflow.py", "backend/torch.py",
     ]
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from pergrad.backend._tensorflow_onednn import _active, converter_registry
+from pergrad.backend._tensorflow_onednn import converter_registry, in_our_maps
 
 
 def _nhwc(tensor, data_format):
@@ -105,7 +105,7 @@ def _install() -> bool:
         return True
 
     def conv2d_backprop_filter(pfor_input):
-        filter_shape = tf.get_static_value(pfor_input.unstacked_input(1)) if _active() else None
+        filter_shape = tf.get_static_value(pfor_input.unstacked_input(1)) if in_our_maps() else None
         if filter_shape is None or not pfor_input.input(0)[1]:
             return original_filter(pfor_input)
         pfor_input.stack_inputs(stack_indices=[2])
@@ -118,8 +118,9 @@ def _install() -> bool:
     def conv2d_backprop_input(pfor_input):
         (kernel, kernel_stacked, _), output = pfor_input.input(1), pfor_input.op.outputs[0]
         channels = output.shape[1 if pfor_input.get_attr("data_format") == b"NCHW" else 3]
-        if (not _active() or kernel_stacked or kernel.shape.rank != 4 or None in (kernel.shape[2], channels)
-                or channels == kernel.shape[2]):  # not grouped: TensorFlow's
+        # (not grouped: TensorFlow's)
+        if (not in_our_maps() or kernel_stacked or kernel.shape.rank != 4
+                or None in (kernel.shape[2], channels) or channels == kernel.shape[2]):
             return original_input(pfor_input)
         pfor_input.stack_inputs(stack_indices=[2])
         grads = pfor_input.stacked_input(2)

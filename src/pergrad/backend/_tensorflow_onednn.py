@@ -56,7 +56,8 @@ def converting():
         _STATE.depth -= 1
 
 
-def _active() -> bool:
+def in_our_maps() -> bool:
+    """Whether this thread is inside pergrad's own vectorized maps (where our converters apply)."""
     return getattr(_STATE, "depth", 0) > 0
 
 
@@ -155,7 +156,7 @@ def _install() -> bool:
         return True
 
     def batch_matmul_v2(pfor_input):
-        if not _active():
+        if not in_our_maps():
             return original_matmul(pfor_input)
         pfor_input.expanddim_inputs_for_broadcast()  # as TensorFlow's converter
         out = matmul_without_unit_batch_axes(
@@ -167,7 +168,7 @@ def _install() -> bool:
     def einsum(pfor_input):
         equation = pfor_input.get_attr("equation").decode("utf-8")
         inputs = [pfor_input.input(i) for i in range(pfor_input.num_inputs)]
-        if not _active() or "." in equation or any(t.shape.rank is None for t, *_ in inputs):
+        if not in_our_maps() or "." in equation or any(t.shape.rank is None for t, *_ in inputs):
             return original_einsum(pfor_input)
         terms, output = equation.split("->")
         loop = next((s for s in string.ascii_letters if s not in equation), None)  # the examples' axis
@@ -179,7 +180,7 @@ def _install() -> bool:
 
     def softmax_converter(original, log):
         def convert(pfor_input):
-            if not _active():
+            if not in_our_maps():
                 return original(pfor_input)
             return wrap(softmax_in_two_dims(pfor_input.stacked_input(0), log=log), True)
 
