@@ -156,10 +156,11 @@ def parse_args(argv=None):
                         + ",".join(COORDINATE_QUICK_MODELS) + "); lm: the language models "
                         + ",".join(LM_MODELS) + " (keras-hub; quick: " + ",".join(LM_QUICK_MODELS)
                         + "); rnn: the recurrent models " + ",".join(RNN_MODELS) + " (quick: "
-                        + ",".join(RNN_QUICK_MODELS) + ")")
+                        + ",".join(RNN_QUICK_MODELS) + "); conv: the convolution models "
+                        + ",".join(CONV_MODELS) + " (quick: " + ",".join(CONV_QUICK_MODELS) + ")")
     parser.add_argument("--models", default=None,
                         help="comma list of mlp<B>/cnn<B>/tfm<B>/gpt<B>/lora<B>/llama<B>/bert<B>/"
-                        "lstm<B>/gru<B> (default: the suite's)")
+                        "lstm<B>/gru<B>/resnet<B>/convnext<B>/dwconv<B>/mobilenet<B> (default: the suite's)")
     parser.add_argument("--aggregations", default=",".join(recipes.DEFAULT_AGGREGATIONS),
                         help="the default suite's aggregations (default %(default)s; also "
                         + ",".join(a for a in recipes.AGGREGATIONS
