@@ -11,6 +11,7 @@ docs/architecture.md, 'The statistics path'.
 from __future__ import annotations
 
 import keras
+import numpy as np
 from keras import ops, tree
 
 from pergrad import compat
@@ -110,6 +111,12 @@ def _example(batched, position=0):
     return tree.map_structure(lambda t: ops.copy(t[position]), batched)
 
 
+def _same_state(a, b) -> bool:
+    """Whether two of the adapter's ``random_state()`` values are equal."""
+    a, b = tree.flatten(a), tree.flatten(b)
+    return len(a) == len(b) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+
+
 def make_plan(problem, trainable_values, batched, shared) -> Plan:
     """The dry run: one example's loss, every layer call recorded. Raises :class:`Unsupported`."""
     model = problem.model
@@ -160,10 +167,12 @@ def make_plan(problem, trainable_values, batched, shared) -> Plan:
 
     # Torch's unseeded random layers draw from its global generator: the dry run
     # must leave it where it was, so that the step draws what it would without it.
+    # That it moved is how the plan sees that they drew: they read no seed state.
     random_state = adapter().random_state()
     try:
         with compat.recording_variable_reads(record_read), Interceptor(model, handler):
             problem.example_loss(list(trainable_values), _example(batched), shared)
+        drew_globally = random_state is not None and not _same_state(random_state, adapter().random_state())
     finally:
         adapter().set_random_state(random_state)
 
@@ -209,7 +218,7 @@ def make_plan(problem, trainable_values, batched, shared) -> Plan:
         calls.append(Call(record["index"], layer, rule, variables, record["specs"], record["arguments"],
                            record.get("input_shape")))
     every_read = root_reads + [v for record in records for v in record["reads"]]
-    plan = Plan(calls, fallback_names, any(compat.is_seed_state(v) for v in every_read))
+    plan = Plan(calls, fallback_names, drew_globally or any(compat.is_seed_state(v) for v in every_read))
     if not plan.draws_random and not fallback_names:
         mark_whole_batch(problem, plan, trainable_values, batched, shared)
     return plan
