@@ -143,7 +143,9 @@ def timing_child(key: str, args) -> None:
         report["exactness_failed"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
     steppers = {}
     for name in VARIANTS:
-        try:
+        try:  # a model of its own (the same seeded weights): on JAX a stepper donates its state
+            if steppers:
+                model, _, _ = build(key, args.size, args.batch)
             steppers[name] = runner.Stepper(variant(model, name, args.batch), x, y)
             steppers[name].run(1)  # warm-up
         except Exception as error:  # report and go on with the other variants
