@@ -53,6 +53,7 @@ class Case:
     vocab: int | None = None  # integer ids in [0, vocab) instead of floats
     skip: str | None = None
     xfail: str | None = None  # a known mismatch with the oracle: the reason (strict)
+    ruled: Callable | None = None  # the layer that takes the rule, of the one made (default: it)
 
 
 def _lora(rank):
@@ -100,6 +101,9 @@ CASES = {
         Case("ellipsis", (3, 4), lambda n: layers.EinsumDense("...b,bc->...c", (3,), bias_axes="c", name=n)),
         Case("lora_heads", (3, 4), lambda n: layers.EinsumDense("btd,dnh->btnh", (3, 2, 2), bias_axes="nh",
                                                                  name=n), prepare=_lora(2)),
+        Case("attention", (3, 4), lambda n: layers.MultiHeadAttention(2, 2, use_bias=False, name=n),
+             call=lambda layer, x: layer(x, x, use_causal_mask=True),  # (a key bias has no gradient)
+             ruled=lambda layer: layer.query_dense),
     ],
     _path(layers.Embedding): [
         Case("formed", (5,), lambda n: layers.Embedding(7, 3, name=n), vocab=7),  # 21 <= 3 T^2
@@ -345,7 +349,8 @@ def _compute(family):
             inputs.append(tensor)
             xs.append(x)
             outputs.append(layers.Flatten()(out) if len(out.shape) > 2 else out)
-            branches[(path, case.name)] = _Branch(layer, branch._flatten_layers(include_self=False),
+            ruled = layer if case.ruled is None else case.ruled(layer)
+            branches[(path, case.name)] = _Branch(ruled, branch._flatten_layers(include_self=False),
                                                   [v for v in branch.trainable_variables])
     model = keras.Model(inputs, layers.Concatenate()(outputs) if len(outputs) > 1 else outputs[0])
     model.compile(loss="mse")
