@@ -41,7 +41,7 @@ test: install
 	@for backend in $(BACKENDS); do \
 		echo "=== KERAS_BACKEND=$$backend ==="; \
 		flags=$${XLA_FLAGS-$$(test $$backend = jax && echo --xla_backend_optimization_level=0)}; \
-		XLA_FLAGS=$$flags KERAS_BACKEND=$$backend $(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS) tests \
+		XLA_FLAGS=$$flags KERAS_BACKEND=$$backend $(BIN)/python -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS) tests \
 			|| exit 1; \
 	done
 

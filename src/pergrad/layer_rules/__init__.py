@@ -5,9 +5,9 @@ for ``Dense`` (ghost norms; LoRA too), ``EinsumDense``, the convolutions,
 ``Embedding``, ``ReversibleEmbedding`` (both directions) and the normalization
 layers, and, by dotted path without importing keras-hub, for keras-hub's
 ``PositionEmbedding``, its RMS norms and ViT's class token; users register
-rules for their own layers with :func:`register_rule`. A trainable layer
-without a rule takes the fallback: its per-example gradients by a vectorized
-vjp of the layer alone.
+rules for their own layers with :func:`register_rule` (:func:`registered_rules`
+lists every registration). A trainable layer without a rule takes the fallback:
+its per-example gradients by a vectorized vjp of the layer alone.
 """
 
 from pergrad.layer_rules import (  # noqa: F401 (registers)
@@ -25,7 +25,9 @@ from pergrad.layer_rules.base import (
     PreActivationRule,
     per_example_vjp,
     register_rule,
+    registered_rules,
     rule_for,
 )
 
-__all__ = ["LayerRule", "OutputRule", "PreActivationRule", "per_example_vjp", "register_rule", "rule_for"]
+__all__ = ["LayerRule", "OutputRule", "PreActivationRule", "per_example_vjp", "register_rule",
+           "registered_rules", "rule_for"]

@@ -117,6 +117,15 @@ def _dotted_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def registered_rules() -> dict[str, type]:
+    """Every registration, read-only: the layer class's dotted path (``__module__`` and
+    ``__qualname__``) to its rule class, for the classes registered directly and for those
+    registered by path whose module has not been imported (keras-hub's)."""
+    rules = {path: rule_class for path, rule_class in _NAMED_RULES.items()}
+    rules.update({_dotted_path(cls): type(rule) for cls, rule in _RULES.items()})
+    return dict(sorted(rules.items()))
+
+
 def _registered(cls: type) -> LayerRule | None:
     named = _NAMED_RULES.get(_dotted_path(cls)) if cls not in _RULES else None
     if named is not None:
