@@ -14,9 +14,8 @@ input it accepts, under a small head, with ``B = 2`` examples:
   Keras one mask for the batch);
 - **full fine-tuning** with the BatchNormalization layers frozen, or converted by
   ``pergrad.layers.replace_batch_normalization``: the per-example gradients and the
-  statistics path's norms equal the oracle, and the layers that take the per-layer fallback
-  are those known on this branch (``FALLBACK``: a rule added later shrinks the set, never
-  grows it).
+  statistics path's norms equal the oracle, and no layer takes the per-layer fallback (every
+  layer with weights in keras.applications has a rule: ConvNeXt's LayerScale included).
 
 Comparisons with the oracle run in training mode, or in inference mode where the model
 draws random numbers (EfficientNet's drop-connect: no oracle can replay per-example draws;
@@ -83,8 +82,6 @@ SMALLEST = [names[0] for names in FAMILIES.values()]
 #: every backend)
 FAST = {("MobileNet", "transfer"), ("MobileNet", "converted")} | (
     {("EfficientNetB0", "transfer")} if BACKEND == "torch" else set())
-#: layer classes that take the per-layer fallback on full fine-tuning (no rule yet), per family
-FALLBACK = {"convnext": {"LayerScale"}}
 
 
 @functools.cache
@@ -237,14 +234,6 @@ def test_transfer_learning_is_exact(name, mode, caplog, monkeypatch):
     _assert_same_update(trained("mean"), trained(None), initial)
 
 
-def _known_failure(name: str):
-    """The failure this branch knows, or ``None``: TensorFlow's per-example gradients of a
-    grouped convolution (ConvNeXt's depthwise 7x7 is a grouped Conv2D) fail on CPU."""
-    if BACKEND == "tensorflow" and family(name) == "convnext":
-        return "TensorFlow cannot form per-example gradients of grouped Conv2D (docs/architecture.md)"
-    return None
-
-
 @pytest.mark.parametrize("name, mode", list(_cases(["frozen", "converted"], CONSTRUCTORS)))
 def test_full_fine_tuning_is_exact(name, mode, caplog, record_property):
     if mode == "frozen" and name not in SMALLEST and (name, mode) not in FAST:
@@ -254,12 +243,6 @@ def test_full_fine_tuning_is_exact(name, mode, caplog, record_property):
     if needed > MEMORY_LIMIT:
         pytest.skip(f"{name}'s per-example gradients and oracle: {needed / 2**30:.1f} GiB")
     assert not pergrad.layers.mixing_batch_normalization(model)
-    known = _known_failure(name)
-    try:
-        fallback, _ = _assert_exact(model, x, y, caplog)
-    except Exception as error:
-        if known and ("Conv2DBackpropFilter" in str(error) or "groups" in str(error)):
-            pytest.xfail(known)
-        raise
+    fallback, _ = _assert_exact(model, x, y, caplog)
     record_property("fallback", ",".join(sorted(fallback)))  # (in --junitxml's report)
-    assert fallback <= FALLBACK.get(family(name), set()), fallback
+    assert not fallback, fallback
