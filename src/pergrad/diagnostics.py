@@ -375,7 +375,7 @@ class GradientDiagnostics(keras.callbacks.Callback):
         from pergrad.replicas import count
 
         model = self.model
-        if not hasattr(model, "_set_diagnostics_request"):  # (pergrad.model imports this module)
+        if not hasattr(model, "set_diagnostics_request"):  # (pergrad.model imports this module)
             raise TypeError(
                 "GradientDiagnostics needs a pergrad.PerExampleModel (its train step computes "
                 f"the per-example statistics); got {type(model).__name__}. Wrap the model: "
@@ -415,12 +415,12 @@ class GradientDiagnostics(keras.callbacks.Callback):
         kind = self._kind(self._calls)
         self._calls += 1
         model = self.model
-        model._set_diagnostics_request(None if kind == 0 else self._requests[kind - 1])
+        model.set_diagnostics_request(None if kind == 0 else self._requests[kind - 1])
         model.train_function = self._functions[kind]
 
     def on_train_end(self, logs=None):
         if self._functions is not None:
-            self.model._set_diagnostics_request(None)
+            self.model.set_diagnostics_request(None)
             self.model.train_function = self._functions[0]
             self._functions = None
 

@@ -108,7 +108,7 @@ def replica_refusal(wrapper) -> str | None:
         )
     if not (getattr(wrapper, "compiled", False) and wrapper.model.built):
         return None  # checked again when the step is traced
-    problem = wrapper._problem()
+    problem = wrapper.per_example_problem()
     if problem.sum_reduction:
         return (
             "a 'sum'-reduced loss scales each example's loss by the batch size, which "
@@ -172,7 +172,7 @@ def run_engine(wrapper, problem, plan: ReplicaPlan, trainable_values, non_traina
     """``(result, per_example, aux)``: the engine path's result (``None`` on the materialized
     path) or the per-example gradients (``None`` on the others; a DP rule's non-finite
     examples zeroed), and the batch's ``aux`` (``y_pred``, ``seeds``, ``mask``, ...);
-    ``problem``: the wrapper's (``wrapper._problem()``, derived once a step)."""
+    ``problem``: the wrapper's (``wrapper.per_example_problem()``, derived once a step)."""
     aggregator = wrapper.aggregator
     path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
     aggregator.pop_batch_term()  # none left over from a traced step that raised
@@ -183,7 +183,7 @@ def run_engine(wrapper, problem, plan: ReplicaPlan, trainable_values, non_traina
             if chunked.supports(aggregator):
                 result, aux = statistics.aggregate(
                     *inputs, loss_scale=plan.engine_scale, gathered=plan.gathered,
-                    keep_layers=wrapper._diagnostics_request() is not None,
+                    keep_layers=wrapper.diagnostics_request() is not None,
                 )
             else:
                 result, aux = streaming.aggregate(
@@ -260,7 +260,7 @@ def combine_replicas(wrapper, plan: ReplicaPlan, result) -> list:
     if totals is not None:  # the same totals, hence the same state, on every replica
         sums, update = totals
         update(replicas.global_sum(sums) if local else sums)
-    wrapper._keep_reports(aggregator.pop_reports(replicas.global_sum) if local else aggregator.pop_reports())
+    wrapper.keep_reports(aggregator.pop_reports(replicas.global_sum) if local else aggregator.pop_reports())
     return result
 
 
@@ -316,7 +316,7 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     """
     aggregator = wrapper.aggregator
     check_units(aggregator, units)
-    problem = wrapper._problem()
+    problem = wrapper.per_example_problem()
     plan = replica_plan(wrapper, x)
     if units is not None:  # read by the rule's weights, on whichever path
         aggregator.set_units(units)
@@ -332,13 +332,13 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
             aggregator.pop_units()
     result = combine_replicas(wrapper, plan, result)
     result = post_process(wrapper, problem, plan, result, per_example, aux, trainable_values)
-    request = wrapper._diagnostics_request()
+    request = wrapper.diagnostics_request()
     if request is not None:  # pergrad.diagnostics: logged with the rule's diagnostics
         from pergrad.diagnostics import batch_values
 
         values = batch_values(request, problem, trainable_values, non_trainable_values, x, y,
                               sample_weight, per_example, aux.get("layers"), aux.get("batch_mean"))
-        wrapper._keep_reports({**(wrapper._take_reports() or {}), **values})
+        wrapper.keep_reports({**(wrapper.take_reports() or {}), **values})
     y_pred = aux["y_pred"]
     if "mask" in aux:
         compat.set_mask(tree.flatten(y_pred)[0], aux["mask"])
