@@ -81,8 +81,24 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _lazily_imported(node) -> str | None:
+    """The module ``importlib.import_module("a.b")`` or ``__import__("a.b")`` names with a
+    literal string (``import_module(f"a.{name}")`` names no one module: not counted)."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    function = node.func
+    name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
+    argument = node.args[0]
+    if name in ("import_module", "__import__") and isinstance(argument, ast.Constant) \
+            and isinstance(argument.value, str):
+        return argument.value
+    return None
+
+
 def import_graph() -> dict[str, set[str]]:
-    """``module -> modules of src/pergrad it imports``, at module level or inside functions.
+    """``module -> modules of src/pergrad it imports``: at module level, inside functions
+    (a PEP 562 module ``__getattr__`` included) and lazily, by ``importlib.import_module``
+    with a literal name.
 
     ``from a import b`` counts as an import of ``a.b`` when that is a module, else of
     ``a``; relative imports are resolved. A package's ``__init__`` is a node of its own
@@ -103,6 +119,8 @@ def import_graph() -> dict[str, set[str]]:
                     base = ".".join(parent + ([base] if base else []))
                 targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
                            for alias in node.names]
+            elif (literal := _lazily_imported(node)) is not None:
+                targets = [literal]
             else:
                 continue
             for target in targets:
@@ -169,9 +187,13 @@ def test_the_import_graph_finds_a_cycle(tmp_path, monkeypatch):
     (package / "sub" / "__init__.py").write_text("")
     (package / "sub" / "b.py").write_text("def f():\n    from .. import a\n")
     (package / "c.py").write_text("from pkg import a\n")
+    (package / "d.py").write_text(  # PEP 562: lazy, by a literal name only
+        "import importlib\ndef __getattr__(name):\n"
+        "    return importlib.import_module('pkg.c'), importlib.import_module(f'pkg.{name}')\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "SOURCE", package)
     graph = import_graph()
-    assert graph["pkg.c"] == {"pkg.a"} and graph["pkg.sub.b"] == {"pkg.a"}
+    assert graph["pkg.c"] == {"pkg.a"} and graph["pkg.sub.b"] == {"pkg.a"} and graph["pkg.d"] == {"pkg.c"}
     assert import_cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
 
 

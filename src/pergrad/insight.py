@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
-from pergrad.demo import build_model, load_digits_split
+from pergrad.digits import build_model, load_digits_split
 from pergrad.scores import scores
 
 #: The rankings of the finder, in the plots' order; "random" is the baseline.

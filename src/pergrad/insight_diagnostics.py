@@ -15,8 +15,8 @@ import keras
 import numpy as np
 
 import pergrad
-from pergrad.demo import build_model, load_digits_split
 from pergrad.diagnostics import GradientDiagnostics
+from pergrad.digits import build_model, load_digits_split
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 BATCH_SIZE, EPOCHS, LEARNING_RATE = 64, 12, 3e-3
