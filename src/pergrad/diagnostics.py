@@ -29,9 +29,8 @@ from dataclasses import dataclass
 import keras
 from keras import ops, tree
 
-from pergrad.backend import adapter
 from pergrad.engine.plan import Unsupported
-from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
+from pergrad.engine.problem import cached_problem, check_model, compiled_once, map_optional
 from pergrad.engine.statistics import layers_of
 from pergrad.layer_rules.base import replaced_attribute
 from pergrad.log import warn_once
@@ -241,16 +240,12 @@ def batch_diagnostics(model, x, y=None, sample_weight=None, *, loss=None, quanti
     problem = cached_problem(model, loss, training)
     problem.check_once(x, y)
     x, y, sample_weight = (map_optional(ops.convert_to_tensor, t) for t in (x, y, sample_weight))
+
+    def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+        return batch_values(request, problem, trainable_values, non_trainable_values, x, y, sample_weight)
+
+    function = compiled_once(problem, "diagnostics", pure, request)
     trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
-    key = ("diagnostics", tuple(map(id, trainable)), tuple(map(id, non_trainable)), request)
-
-    def make():
-        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
-            return batch_values(request, problem, trainable_values, non_trainable_values, x, y, sample_weight)
-
-        return (trainable, non_trainable), adapter().compile(pure)
-
-    function = bounded_get(problem.compiled_functions, key, make)[1]
     values = function([v.value for v in trainable], [v.value for v in non_trainable], x, y, sample_weight)
     return {k: float(ops.convert_to_numpy(v)) for k, v in values.items()}
 

@@ -45,7 +45,7 @@ from pergrad.backend import adapter
 from pergrad.engine.capture import has_convolutions
 from pergrad.engine.materialized import per_example_gradients
 from pergrad.engine.plan import Unsupported
-from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
+from pergrad.engine.problem import cached_problem, check_model, compiled_once, map_optional
 from pergrad.engine.statistics import layers_of, per_example_statistics
 from pergrad.log import warn_once
 from pergrad.tensors import example_rows
@@ -61,23 +61,18 @@ def _loss_function(problem):
     """Each example's ``L_i`` and prediction, one vectorized forward pass, compiled once per
     (trainable variables, non-trainable variables)."""
     model = problem.model
-    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
-    key = ("scores", tuple(map(id, trainable)), tuple(map(id, non_trainable)))
 
-    def make():
-        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
-            batched, _, non_trainable_values, _ = problem.batched_inputs(
-                non_trainable_values, x, y, sample_weight)
-            shared = {"non_trainable": non_trainable_values, "loss_scale": None}
-            losses, aux = adapter().vectorized_call(
-                lambda example, shared: problem.example_loss(trainable_values, example, shared),
-                batched, shared, layout_hints=has_convolutions(model),
-            )
-            return losses, aux["y_pred"]
+    def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+        batched, _, non_trainable_values, _ = problem.batched_inputs(
+            non_trainable_values, x, y, sample_weight)
+        shared = {"non_trainable": non_trainable_values, "loss_scale": None}
+        losses, aux = adapter().vectorized_call(
+            lambda example, shared: problem.example_loss(trainable_values, example, shared),
+            batched, shared, layout_hints=has_convolutions(model),
+        )
+        return losses, aux["y_pred"]
 
-        return (trainable, non_trainable), adapter().compile(pure)
-
-    return bounded_get(problem.compiled_functions, key, make)[1]
+    return compiled_once(problem, "scores", pure)
 
 
 def _cross_gram_function(problem, split: int):
@@ -85,21 +80,14 @@ def _cross_gram_function(problem, split: int):
     off-diagonal block of its Gram matrix, each layer rule's ``cross_gram``: ``split x T``
     dot products, not ``(split + T)^2``), and the advanced seeds; compiled once per
     (trainable variables, non-trainable variables, split)."""
-    model = problem.model
-    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
-    key = ("cross_gram", tuple(map(id, trainable)), tuple(map(id, non_trainable)), split)
+    def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+        batched, batch_size, non_trainable, _ = problem.batched_inputs(
+            non_trainable_values, x, y, sample_weight)
+        shared = {"non_trainable": non_trainable, "loss_scale": None}
+        layers, aux = layers_of(problem, trainable_values, batched, shared, batch_size, None)
+        return layers.cross_gram(split), problem.advanced_seeds(non_trainable, aux["seeds"])
 
-    def make():
-        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
-            batched, batch_size, non_trainable, _ = problem.batched_inputs(
-                non_trainable_values, x, y, sample_weight)
-            shared = {"non_trainable": non_trainable, "loss_scale": None}
-            layers, aux = layers_of(problem, trainable_values, batched, shared, batch_size, None)
-            return layers.cross_gram(split), problem.advanced_seeds(non_trainable, aux["seeds"])
-
-        return (trainable, non_trainable), adapter().compile(pure)
-
-    return bounded_get(problem.compiled_functions, key, make)[1]
+    return compiled_once(problem, "cross_gram", pure, split)
 
 
 def _cross_gram(model, problem, loss, training, split, x, y, sample_weight) -> np.ndarray:

@@ -30,7 +30,7 @@ from pergrad.engine.capture import capture, grad_with_aux, has_convolutions, wei
 from pergrad.engine.layers import Layers
 from pergrad.engine.materialized import per_example_gradients
 from pergrad.engine.plan import Unsupported, cached_plan
-from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
+from pergrad.engine.problem import cached_problem, check_model, compiled_once, map_optional
 from pergrad.log import warn_once
 from pergrad.tensors import as_float32
 
@@ -259,19 +259,12 @@ def statistics(problem, trainable_values, non_trainable_values, x, y=None, sampl
 
 def _statistics_function(problem, gram: bool):
     """``statistics`` compiled once per (trainable variables, non-trainable variables, gram)."""
-    model = problem.model
-    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
-    key = ("statistics", tuple(map(id, trainable)), tuple(map(id, non_trainable)), gram)
+    def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+        stats, aux = statistics(problem, trainable_values, non_trainable_values, x, y,
+                                sample_weight, gram=gram)
+        return stats.scaled_squared_norms, stats.scale, stats.gram, aux["seeds"]
 
-    def make():
-        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
-            stats, aux = statistics(problem, trainable_values, non_trainable_values, x, y,
-                                    sample_weight, gram=gram)
-            return stats.scaled_squared_norms, stats.scale, stats.gram, aux["seeds"]
-
-        return (trainable, non_trainable), adapter().compile(pure)
-
-    return bounded_get(problem.compiled_functions, key, make)[1]
+    return compiled_once(problem, "statistics", pure, gram)
 
 
 def per_example_statistics(model, x, y=None, sample_weight=None, *, loss=None, training: bool = True,
