@@ -29,11 +29,9 @@ from dataclasses import dataclass
 import keras
 from keras import ops, tree
 
-from pergrad.engine.plan import Unsupported
 from pergrad.engine.problem import cached_problem, check_model, compiled_once, map_optional
-from pergrad.engine.statistics import layers_of
+from pergrad.engine.statistics import layers_of, statistics_or_materialized
 from pergrad.layer_rules.base import replaced_attribute
-from pergrad.log import warn_once
 from pergrad.tensors import example_rows
 
 __all__ = [
@@ -205,11 +203,11 @@ def batch_values(request: DiagnosticsRequest, problem, trainable_values, non_tra
             non_trainable_values, x, y, sample_weight
         )
         shared = {"non_trainable": non_trainable, "loss_scale": None}
-        try:
-            layers, _ = layers_of(problem, trainable_values, batched, shared, batch_size, None)
-        except Unsupported as error:
-            warn_once(problem, f"diagnostics use every per-example gradient: {error}")
-            per_example, _ = problem.compute(trainable_values, non_trainable_values, x, y, sample_weight)
+        layers, per_example = statistics_or_materialized(
+            lambda: (layers_of(problem, trainable_values, batched, shared, batch_size, None)[0], None),
+            lambda: (None, problem.compute(trainable_values, non_trainable_values, x, y, sample_weight)[0]),
+            problem, "diagnostics use every per-example gradient",
+        )
     if layers is not None:
         batch_size = ops.shape(tree.flatten(x)[0])[0]
         # (float32 without the overflow rescaling: no conditional in the step)

@@ -44,10 +44,8 @@ from pergrad import compat
 from pergrad.backend import adapter
 from pergrad.engine.capture import has_convolutions
 from pergrad.engine.materialized import per_example_gradients
-from pergrad.engine.plan import Unsupported
 from pergrad.engine.problem import cached_problem, check_model, compiled_once, map_optional
-from pergrad.engine.statistics import layers_of, per_example_statistics
-from pergrad.log import warn_once
+from pergrad.engine.statistics import layers_of, per_example_statistics, statistics_or_materialized
 from pergrad.tensors import example_rows
 
 __all__ = ["KINDS", "scores"]
@@ -96,16 +94,20 @@ def _cross_gram(model, problem, loss, training, split, x, y, sample_weight) -> n
     x, y, sample_weight = (map_optional(ops.convert_to_tensor, t) for t in (x, y, sample_weight))
     values = [v.value for v in model.trainable_variables]
     states = [v.value for v in model.non_trainable_variables]
-    try:
+
+    def on_statistics_path():
         cross, seeds = _cross_gram_function(problem, split)(values, states, x, y, sample_weight)
-    except Unsupported as error:
-        warn_once(problem, f"scores use the materialized path: {error}")
+        for position, state in zip(problem.seed_positions, seeds):
+            model.non_trainable_variables[position].assign(state)
+        return _numpy(cross).astype("float64")
+
+    def on_materialized_path():  # (per_example_gradients advances the seed states)
         grads = per_example_gradients(model, x, y, sample_weight, loss=loss, training=training)
         rows = [_numpy(example_rows(g)).astype("float64") for g in grads]
         return sum(r[:split] @ r[split:].T for r in rows)
-    for position, state in zip(problem.seed_positions, seeds):
-        model.non_trainable_variables[position].assign(state)
-    return _numpy(cross).astype("float64")
+
+    return statistics_or_materialized(on_statistics_path, on_materialized_path, problem,
+                                      "scores use the materialized path")
 
 
 def _error_kind(loss) -> tuple[str, bool]:

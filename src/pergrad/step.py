@@ -31,7 +31,6 @@ from pergrad.aggregators.base import (
     zero_non_finite_examples,
 )
 from pergrad.engine import chunked, statistics, streaming
-from pergrad.log import warn_once
 from pergrad.tensors import all_finite
 
 #: The paths ``engine_path`` chooses between.
@@ -126,12 +125,6 @@ def loss_scale(optimizer, variables):
     return None
 
 
-def log_materialized(wrapper, reason: str) -> None:
-    """Logs, once per model and reason, that ``path='auto'`` fell back to the materialized path."""
-    warn_once(wrapper, f"model {wrapper.model.name!r} takes the materialized path (every "
-                       f"per-example gradient): {reason}")
-
-
 class ReplicaPlan(NamedTuple):
     """What this replica's step computes (``pergrad.replicas``); on one device, the whole."""
 
@@ -178,39 +171,49 @@ def run_engine(wrapper, problem, plan: ReplicaPlan, trainable_values, non_traina
     aggregator.pop_batch_term()  # none left over from a traced step that raised
     aggregator.pop_batch_totals()
     inputs = (problem, aggregator, trainable_values, non_trainable_values, x, y, sample_weight)
+
+    def on_statistics_path():
+        if chunked.supports(aggregator):
+            result, aux = statistics.aggregate(
+                *inputs, loss_scale=plan.engine_scale, gathered=plan.gathered,
+                keep_layers=wrapper.diagnostics_request() is not None,
+            )
+        else:
+            result, aux = streaming.aggregate(
+                *inputs, loss_scale=plan.engine_scale, microbatch_size=wrapper.microbatch_size,
+                gathered=plan.gathered,
+            )
+        return result, None, aux
+
+    def on_materialized_path():
+        per_example, aux = problem.compute(
+            trainable_values, non_trainable_values, x, y, sample_weight, wrapper.microbatch_size,
+            loss_scale=plan.engine_scale,
+        )
+        if aggregator.differentially_private:
+            per_example = zero_non_finite_examples(per_example)
+        return None, per_example, aux
+
     if path == STATISTICS_PATH:
-        try:
-            if chunked.supports(aggregator):
-                result, aux = statistics.aggregate(
-                    *inputs, loss_scale=plan.engine_scale, gathered=plan.gathered,
-                    keep_layers=wrapper.diagnostics_request() is not None,
-                )
-            else:
-                result, aux = streaming.aggregate(
-                    *inputs, loss_scale=plan.engine_scale, microbatch_size=wrapper.microbatch_size,
-                    gathered=plan.gathered,
-                )
-            return result, None, aux
-        except statistics.Unsupported as error:
-            if wrapper.engine_path == STATISTICS_PATH:
-                raise ValueError(
-                    f"The statistics path cannot train model {wrapper.model.name!r}: {error}. "
-                    "Use path='auto' (it then takes the materialized path) or 'materialized'."
-                ) from error
-            log_materialized(wrapper, str(error))
-            path = MATERIALIZED_PATH
+        name = wrapper.model.name
+
+        def refusal(reason):
+            return ValueError(
+                f"The statistics path cannot train model {name!r}: {reason}. "
+                "Use path='auto' (it then takes the materialized path) or 'materialized'."
+            )
+
+        return statistics.statistics_or_materialized(
+            on_statistics_path, on_materialized_path, wrapper,
+            f"model {name!r} takes the materialized path (every per-example gradient)",
+            refusal=refusal if wrapper.engine_path == STATISTICS_PATH else None,
+        )
     if path == CHUNKED_PATH:
         # Accumulated chunk by chunk: no (B, ...) per-example tensor exists. A DP
         # rule's non-finite examples are zeroed in every chunk.
         result, aux = chunked.aggregate(*inputs, wrapper.microbatch_size, loss_scale=plan.engine_scale)
         return result, None, aux
-    per_example, aux = problem.compute(
-        trainable_values, non_trainable_values, x, y, sample_weight, wrapper.microbatch_size,
-        loss_scale=plan.engine_scale,
-    )
-    if aggregator.differentially_private:
-        per_example = zero_non_finite_examples(per_example)
-    return None, per_example, aux
+    return on_materialized_path()
 
 
 def check_output_mask(wrapper, problem, aux) -> None:
