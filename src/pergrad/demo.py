@@ -19,7 +19,7 @@ import numpy as np
 
 import pergrad
 from pergrad import aggregators
-from pergrad.digits import build_model, digits_mlp, load_digits_split
+from pergrad.digits import build_model, digits_mlp, load_digits_split, pyplot
 
 #: (label, factory) pairs; factories so that each run gets a fresh aggregator.
 #: Robust rules come alone and after bucketing (Karimireddy et al., 2022):
@@ -40,7 +40,6 @@ DEFAULT_RULES = [
     ("centered_clip(1.0)", lambda: aggregators.centered_clip(1.0)),
     ("norm_filter(3)", lambda: aggregators.norm_filter(3.0)),
 ]
-
 
 
 def corrupt(x, y, fraction: float, scale: float = 10.0, seed: int = 1):
@@ -236,11 +235,7 @@ def run(rules=None, seeds: int = 3, epochs: int = 10, batch_size: int = 64,
 def plot(rows: list[RowResult], path: str) -> str:
     """Mean test accuracy per epoch over the seeds, one curve per rule, on clean and corrupted
     data; one legend for both panels, beside them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
     colors = plt.cm.tab20.colors
     handles = {}

@@ -1,5 +1,5 @@
 """The digits that ``pergrad demo``, ``pergrad insight`` and ``pergrad.privacy.audit`` train on:
-scikit-learn's bundled digits and the demo's small network.
+scikit-learn's bundled digits and the demo's small network; and the commands' plotting module.
 
 It imports nothing from pergrad, so that every module above the model (the demo, the
 insight commands, the audit that ``pergrad.privacy`` exposes) can use it without
@@ -39,3 +39,14 @@ def digits_mlp(features: int = 64, classes: int = 10) -> keras.Model:
 def build_model(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
     return digits_mlp()
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (files, no display), imported on first use:
+    ``pergrad demo`` and ``pergrad insight`` plot, ``import pergrad`` does not need it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
