@@ -49,7 +49,7 @@ import keras
 import numpy as np
 
 from pergrad.arguments import check_integer, check_number
-from pergrad.demo import digits_mlp, load_digits_split
+from pergrad.digits import digits_mlp, load_digits_split
 from pergrad.model import PerExampleModel
 from pergrad.privacy.accounting import epsilon
 from pergrad.privacy.auditing import AuditResult, best_guesses
@@ -115,10 +115,10 @@ def audit(
         model_factory: builds the (uncompiled) Keras model from the number of
             input features, ``data``'s plus ``canaries``; its first layer must be
             a Dense layer on them. Default: the demo's network,
-            :func:`pergrad.demo.digits_mlp`, with one output per class of ``y``.
+            :func:`pergrad.digits.digits_mlp`, with one output per class of ``y``.
         data: ``(x, y)``: flat float features ``(n, d)`` and integer class labels
             (the canaries' labels are drawn from ``y``'s classes). Default: the
-            demo's training split of scikit-learn's digits.
+            demo's training split of scikit-learn's digits (:mod:`pergrad.digits`).
         noise_multiplier: ``z``: the accountant's, and the default rule's.
         l2_norm_clip: ``C`` of the default rule.
         rule: ``rule(expected_batch_size)`` returns the aggregator to audit;

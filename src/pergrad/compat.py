@@ -204,6 +204,14 @@ def own_trainable_variables(layer) -> list:
     return [v for v in layer._trainable_variables if v.trainable]
 
 
+def keeps_lstm_carry(cell, cell_class) -> bool:
+    """Whether ``cell`` computes its carry and output with ``cell_class``'s own private
+    ``_compute_carry_and_output`` and ``_compute_carry_and_output_fused`` (Keras's
+    ``LSTMCell``: a subclass may override either)."""
+    names = ("_compute_carry_and_output_fused", "_compute_carry_and_output")
+    return all(getattr(type(cell), name) is getattr(cell_class, name) for name in names)
+
+
 _WRAPPED = set()
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 import pergrad
 from pergrad import aggregators
+from pergrad.digits import build_model, digits_mlp, load_digits_split, pyplot
 
 #: (label, factory) pairs; factories so that each run gets a fresh aggregator.
 #: Robust rules come alone and after bucketing (Karimireddy et al., 2022):
@@ -41,20 +42,6 @@ DEFAULT_RULES = [
 ]
 
 
-
-def load_digits_split(seed: int = 0):
-    """Digits (1797 images of 8x8), scaled to [0, 1], 80/20 split."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = (digits.data / 16.0).astype("float32")
-    y = digits.target.astype("int32")
-    order = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[order], y[order]
-    split = int(0.8 * len(x))
-    return (x[:split], y[:split]), (x[split:], y[split:])
-
-
 def corrupt(x, y, fraction: float, scale: float = 10.0, seed: int = 1):
     """Corrupts each example with probability ``fraction``: inputs times ``scale``, label changed.
 
@@ -66,24 +53,6 @@ def corrupt(x, y, fraction: float, scale: float = 10.0, seed: int = 1):
     x[rows] *= scale
     y[rows] = (y[rows] + 1 + rng.integers(0, 9, rows.sum())) % 10
     return x, y, rows
-
-
-def digits_mlp(features: int = 64, classes: int = 10) -> keras.Model:
-    """The demo's network: Dense(64, relu), Dense(classes, softmax) on ``features`` inputs."""
-    return keras.Sequential(
-        [
-            keras.Input((features,)),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(classes, activation="softmax"),
-        ]
-    )
-
-
-def build_model(seed: int) -> keras.Model:
-    keras.utils.set_random_seed(seed)
-    return digits_mlp()
-
-
 
 
 @dataclass
@@ -266,11 +235,7 @@ def run(rules=None, seeds: int = 3, epochs: int = 10, batch_size: int = 64,
 def plot(rows: list[RowResult], path: str) -> str:
     """Mean test accuracy per epoch over the seeds, one curve per rule, on clean and corrupted
     data; one legend for both panels, beside them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
     colors = plt.cm.tab20.colors
     handles = {}

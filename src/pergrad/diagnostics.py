@@ -29,12 +29,9 @@ from dataclasses import dataclass
 import keras
 from keras import ops, tree
 
-from pergrad.backend import adapter
-from pergrad.engine.plan import Unsupported
-from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
-from pergrad.engine.statistics import layers_of
+from pergrad.engine.problem import cached_problem, check_model, compiled_once, map_optional
+from pergrad.engine.statistics import layers_of, statistics_or_materialized
 from pergrad.layer_rules.base import replaced_attribute
-from pergrad.log import warn_once
 from pergrad.tensors import example_rows
 
 __all__ = [
@@ -206,11 +203,11 @@ def batch_values(request: DiagnosticsRequest, problem, trainable_values, non_tra
             non_trainable_values, x, y, sample_weight
         )
         shared = {"non_trainable": non_trainable, "loss_scale": None}
-        try:
-            layers, _ = layers_of(problem, trainable_values, batched, shared, batch_size, None)
-        except Unsupported as error:
-            warn_once(problem, f"diagnostics use every per-example gradient: {error}")
-            per_example, _ = problem.compute(trainable_values, non_trainable_values, x, y, sample_weight)
+        layers, per_example = statistics_or_materialized(
+            lambda: (layers_of(problem, trainable_values, batched, shared, batch_size, None)[0], None),
+            lambda: (None, problem.compute(trainable_values, non_trainable_values, x, y, sample_weight)[0]),
+            problem, "diagnostics use every per-example gradient",
+        )
     if layers is not None:
         batch_size = ops.shape(tree.flatten(x)[0])[0]
         # (float32 without the overflow rescaling: no conditional in the step)
@@ -241,16 +238,12 @@ def batch_diagnostics(model, x, y=None, sample_weight=None, *, loss=None, quanti
     problem = cached_problem(model, loss, training)
     problem.check_once(x, y)
     x, y, sample_weight = (map_optional(ops.convert_to_tensor, t) for t in (x, y, sample_weight))
+
+    def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+        return batch_values(request, problem, trainable_values, non_trainable_values, x, y, sample_weight)
+
+    function = compiled_once(problem, "diagnostics", pure, request)
     trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
-    key = ("diagnostics", tuple(map(id, trainable)), tuple(map(id, non_trainable)), request)
-
-    def make():
-        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
-            return batch_values(request, problem, trainable_values, non_trainable_values, x, y, sample_weight)
-
-        return (trainable, non_trainable), adapter().compile(pure)
-
-    function = bounded_get(problem.compiled_functions, key, make)[1]
     values = function([v.value for v in trainable], [v.value for v in non_trainable], x, y, sample_weight)
     return {k: float(ops.convert_to_numpy(v)) for k, v in values.items()}
 
@@ -375,7 +368,7 @@ class GradientDiagnostics(keras.callbacks.Callback):
         from pergrad.replicas import count
 
         model = self.model
-        if not hasattr(model, "_set_diagnostics_request"):  # (pergrad.model imports this module)
+        if not hasattr(model, "set_diagnostics_request"):  # (pergrad.model imports this module)
             raise TypeError(
                 "GradientDiagnostics needs a pergrad.PerExampleModel (its train step computes "
                 f"the per-example statistics); got {type(model).__name__}. Wrap the model: "
@@ -415,12 +408,12 @@ class GradientDiagnostics(keras.callbacks.Callback):
         kind = self._kind(self._calls)
         self._calls += 1
         model = self.model
-        model._set_diagnostics_request(None if kind == 0 else self._requests[kind - 1])
+        model.set_diagnostics_request(None if kind == 0 else self._requests[kind - 1])
         model.train_function = self._functions[kind]
 
     def on_train_end(self, logs=None):
         if self._functions is not None:
-            self.model._set_diagnostics_request(None)
+            self.model.set_diagnostics_request(None)
             self.model.train_function = self._functions[0]
             self._functions = None
 

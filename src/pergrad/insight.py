@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
-from pergrad.demo import build_model, load_digits_split
+from pergrad.digits import build_model, load_digits_split, pyplot
 from pergrad.scores import scores
 
 #: The rankings of the finder, in the plots' order; "random" is the baseline.
@@ -159,17 +159,8 @@ def pruning_curve(seed: int = 0, fractions=(1.0, 0.8, 0.6, 0.4, 0.2), score_epoc
 # -- plots -----------------------------------------------------------------------------
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_histograms(result: FinderResult, path: str) -> str:
-    plt = _pyplot()
+    plt = pyplot()
     kinds = ("self_influence", "el2n", "grand", "loss")
     fig, axes = plt.subplots(1, len(kinds), figsize=(16, 4))
     for ax, kind in zip(axes, kinds):
@@ -193,7 +184,7 @@ def plot_histograms(result: FinderResult, path: str) -> str:
 
 
 def plot_precision(results: list[FinderResult], path: str) -> str:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (curve, bars) = plt.subplots(1, 2, figsize=(13, 4.5))
     first = results[0]
     flipped_count = int(first.flipped.sum())
@@ -228,7 +219,7 @@ def plot_precision(results: list[FinderResult], path: str) -> str:
 
 
 def plot_pruning(result: PruningResult, path: str) -> str:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     percent = [100 * f for f in result.fractions]
     for name, accuracy in result.accuracy.items():

@@ -15,8 +15,8 @@ import keras
 import numpy as np
 
 import pergrad
-from pergrad.demo import build_model, load_digits_split
 from pergrad.diagnostics import GradientDiagnostics
+from pergrad.digits import build_model, load_digits_split, pyplot
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 BATCH_SIZE, EPOCHS, LEARNING_RATE = 64, 12, 3e-3
@@ -39,21 +39,12 @@ def train_with_diagnostics(seed: int = 0, epochs: int = EPOCHS, batch_size: int 
     return callback, history
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _steps_per_epoch(history, callback) -> float:
     return len(callback.history["step"]) / max(len(history.history["loss"]), 1)
 
 
 def plot_norms(callback, path: str, steps_per_epoch: float) -> str:
-    plt = _pyplot()
+    plt = pyplot()
     series = callback.history
     steps = np.array(series["step"])
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -76,7 +67,7 @@ def plot_norms(callback, path: str, steps_per_epoch: float) -> str:
 
 
 def plot_noise_scale(callback, path: str, batch_size: int, steps_per_epoch: float) -> str:
-    plt = _pyplot()
+    plt = pyplot()
     series = callback.history
     steps = np.array(series["step"])
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -99,7 +90,7 @@ def plot_noise_scale(callback, path: str, batch_size: int, steps_per_epoch: floa
 
 
 def plot_gsnr(callback, path: str, steps_per_epoch: float) -> str:
-    plt = _pyplot()
+    plt = pyplot()
     series = callback.history
     steps = np.array(series["gsnr_step"])  # (the GSNR's steps)
     names = [k for k in series if k.startswith("gsnr/")]

@@ -222,35 +222,46 @@ class PerExampleModel(_TrainStep, keras.Model):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        # Registers DPGaussian for keras.saving: pergrad.privacy is imported on use
-        # (never by `import pergrad`, so that pergrad.aggregators does not import it).
-        import pergrad.privacy  # noqa: F401
+        # Registers the DP rules (DPGaussian, AdaptiveDPGaussian, UserLevelDPGaussian) for
+        # keras.saving: their modules are imported on use (never by `import pergrad`, so that
+        # pergrad.aggregators does not import them), by name and not through the
+        # pergrad.privacy package, whose `audit` (pergrad.audit) is above this module.
+        import pergrad.privacy.adaptive  # noqa: F401
+        import pergrad.privacy.dp_sgd  # noqa: F401
+        import pergrad.privacy.units  # noqa: F401
 
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects)
         aggregator = keras.saving.deserialize_keras_object(config.pop("aggregator"), custom_objects)
         return cls(model, aggregator, **config)
 
-    def _keep_reports(self, reports):
-        """Keeps a train step's diagnostics for :meth:`compute_metrics`, per thread:
-        ``tf.distribute`` traces each replica's step in its own thread, and the
+    # -- internal to pergrad: what the step (pergrad.step, pergrad.trainers) and
+    # pergrad.diagnostics ask of the model; not a user API ----------------------------
+
+    def keep_reports(self, reports):
+        """Internal to pergrad. Keeps a train step's diagnostics for :meth:`compute_metrics`,
+        per thread: ``tf.distribute`` traces each replica's step in its own thread, and the
         threads take turns at every collective."""
         self.__dict__.setdefault("_pending_reports", {})[threading.get_ident()] = reports
 
-    def _take_reports(self):
+    def take_reports(self):
+        """Internal to pergrad. The diagnostics :meth:`keep_reports` kept on this thread,
+        once (``None`` when none)."""
         return self.__dict__.get("_pending_reports", {}).pop(threading.get_ident(), None)
 
-    def _diagnostics_request(self):
-        """The ``pergrad.diagnostics.DiagnosticsRequest`` the train step computes, or ``None``."""
+    def diagnostics_request(self):
+        """Internal to pergrad. The ``pergrad.diagnostics.DiagnosticsRequest`` the train
+        step computes, or ``None``."""
         return self.__dict__.get("_diagnostics")
 
-    def _set_diagnostics_request(self, request) -> None:
-        # Set by GradientDiagnostics around the steps it asks for (not tracked by Keras).
+    def set_diagnostics_request(self, request) -> None:
+        """Internal to pergrad. Set by ``pergrad.diagnostics.GradientDiagnostics`` around
+        the steps it asks for (``None``: none); not tracked by Keras."""
         self.__dict__["_diagnostics"] = request
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
         # Diagnostics come from the train step that just ran, never from evaluation.
-        reports = self._take_reports()
+        reports = self.take_reports()
         for tracker in self._diagnostic_trackers:
             if reports and tracker.name in reports:
                 trainers.update_mean(tracker, reports[tracker.name])
@@ -263,8 +274,8 @@ class PerExampleModel(_TrainStep, keras.Model):
 
     # -- the per-example step, written once for every backend ------------------------
 
-    def _problem(self) -> PerExampleProblem:
-        """The per-example problem of the latest compile.
+    def per_example_problem(self) -> PerExampleProblem:
+        """Internal to pergrad. The per-example problem of the latest compile.
 
         Keyed on the compiled loss container, which every ``compile()`` replaces;
         the BatchNormalization check and the seed positions are derived on use
@@ -297,7 +308,7 @@ class PerExampleModel(_TrainStep, keras.Model):
             # (JAX's and torch's before it): from the batch's shapes, as plain Keras does.
             self.build(tree.map_structure(lambda t: tuple(t.shape), x))
         # The loss's per-example checks, as `per_example_gradients` makes them (once).
-        self._problem().check_once(x, y)
+        self.per_example_problem().check_once(x, y)
         size = tree.flatten(x)[0].shape[0]
         minimum = self.aggregator.min_batch_size
         several = minimum > 1 and replicas.count(self) > 1  # the rule sees the whole batch

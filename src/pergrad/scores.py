@@ -44,10 +44,8 @@ from pergrad import compat
 from pergrad.backend import adapter
 from pergrad.engine.capture import has_convolutions
 from pergrad.engine.materialized import per_example_gradients
-from pergrad.engine.plan import Unsupported
-from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
-from pergrad.engine.statistics import layers_of, per_example_statistics
-from pergrad.log import warn_once
+from pergrad.engine.problem import cached_problem, check_model, compiled_once, map_optional
+from pergrad.engine.statistics import layers_of, per_example_statistics, statistics_or_materialized
 from pergrad.tensors import example_rows
 
 __all__ = ["KINDS", "scores"]
@@ -61,23 +59,18 @@ def _loss_function(problem):
     """Each example's ``L_i`` and prediction, one vectorized forward pass, compiled once per
     (trainable variables, non-trainable variables)."""
     model = problem.model
-    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
-    key = ("scores", tuple(map(id, trainable)), tuple(map(id, non_trainable)))
 
-    def make():
-        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
-            batched, _, non_trainable_values, _ = problem.batched_inputs(
-                non_trainable_values, x, y, sample_weight)
-            shared = {"non_trainable": non_trainable_values, "loss_scale": None}
-            losses, aux = adapter().vectorized_call(
-                lambda example, shared: problem.example_loss(trainable_values, example, shared),
-                batched, shared, layout_hints=has_convolutions(model),
-            )
-            return losses, aux["y_pred"]
+    def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+        batched, _, non_trainable_values, _ = problem.batched_inputs(
+            non_trainable_values, x, y, sample_weight)
+        shared = {"non_trainable": non_trainable_values, "loss_scale": None}
+        losses, aux = adapter().vectorized_call(
+            lambda example, shared: problem.example_loss(trainable_values, example, shared),
+            batched, shared, layout_hints=has_convolutions(model),
+        )
+        return losses, aux["y_pred"]
 
-        return (trainable, non_trainable), adapter().compile(pure)
-
-    return bounded_get(problem.compiled_functions, key, make)[1]
+    return compiled_once(problem, "scores", pure)
 
 
 def _cross_gram_function(problem, split: int):
@@ -85,21 +78,14 @@ def _cross_gram_function(problem, split: int):
     off-diagonal block of its Gram matrix, each layer rule's ``cross_gram``: ``split x T``
     dot products, not ``(split + T)^2``), and the advanced seeds; compiled once per
     (trainable variables, non-trainable variables, split)."""
-    model = problem.model
-    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
-    key = ("cross_gram", tuple(map(id, trainable)), tuple(map(id, non_trainable)), split)
+    def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+        batched, batch_size, non_trainable, _ = problem.batched_inputs(
+            non_trainable_values, x, y, sample_weight)
+        shared = {"non_trainable": non_trainable, "loss_scale": None}
+        layers, aux = layers_of(problem, trainable_values, batched, shared, batch_size, None)
+        return layers.cross_gram(split), problem.advanced_seeds(non_trainable, aux["seeds"])
 
-    def make():
-        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
-            batched, batch_size, non_trainable, _ = problem.batched_inputs(
-                non_trainable_values, x, y, sample_weight)
-            shared = {"non_trainable": non_trainable, "loss_scale": None}
-            layers, aux = layers_of(problem, trainable_values, batched, shared, batch_size, None)
-            return layers.cross_gram(split), problem.advanced_seeds(non_trainable, aux["seeds"])
-
-        return (trainable, non_trainable), adapter().compile(pure)
-
-    return bounded_get(problem.compiled_functions, key, make)[1]
+    return compiled_once(problem, "cross_gram", pure, split)
 
 
 def _cross_gram(model, problem, loss, training, split, x, y, sample_weight) -> np.ndarray:
@@ -108,16 +94,20 @@ def _cross_gram(model, problem, loss, training, split, x, y, sample_weight) -> n
     x, y, sample_weight = (map_optional(ops.convert_to_tensor, t) for t in (x, y, sample_weight))
     values = [v.value for v in model.trainable_variables]
     states = [v.value for v in model.non_trainable_variables]
-    try:
+
+    def on_statistics_path():
         cross, seeds = _cross_gram_function(problem, split)(values, states, x, y, sample_weight)
-    except Unsupported as error:
-        warn_once(problem, f"scores use the materialized path: {error}")
+        for position, state in zip(problem.seed_positions, seeds):
+            model.non_trainable_variables[position].assign(state)
+        return _numpy(cross).astype("float64")
+
+    def on_materialized_path():  # (per_example_gradients advances the seed states)
         grads = per_example_gradients(model, x, y, sample_weight, loss=loss, training=training)
         rows = [_numpy(example_rows(g)).astype("float64") for g in grads]
         return sum(r[:split] @ r[split:].T for r in rows)
-    for position, state in zip(problem.seed_positions, seeds):
-        model.non_trainable_variables[position].assign(state)
-    return _numpy(cross).astype("float64")
+
+    return statistics_or_materialized(on_statistics_path, on_materialized_path, problem,
+                                      "scores use the materialized path")
 
 
 def _error_kind(loss) -> tuple[str, bool]:

@@ -31,7 +31,6 @@ from pergrad.aggregators.base import (
     zero_non_finite_examples,
 )
 from pergrad.engine import chunked, statistics, streaming
-from pergrad.log import warn_once
 from pergrad.tensors import all_finite
 
 #: The paths ``engine_path`` chooses between.
@@ -108,7 +107,7 @@ def replica_refusal(wrapper) -> str | None:
         )
     if not (getattr(wrapper, "compiled", False) and wrapper.model.built):
         return None  # checked again when the step is traced
-    problem = wrapper._problem()
+    problem = wrapper.per_example_problem()
     if problem.sum_reduction:
         return (
             "a 'sum'-reduced loss scales each example's loss by the batch size, which "
@@ -124,12 +123,6 @@ def loss_scale(optimizer, variables):
             optimizer.build(variables)
         return optimizer.dynamic_scale
     return None
-
-
-def log_materialized(wrapper, reason: str) -> None:
-    """Logs, once per model and reason, that ``path='auto'`` fell back to the materialized path."""
-    warn_once(wrapper, f"model {wrapper.model.name!r} takes the materialized path (every "
-                       f"per-example gradient): {reason}")
 
 
 class ReplicaPlan(NamedTuple):
@@ -172,45 +165,55 @@ def run_engine(wrapper, problem, plan: ReplicaPlan, trainable_values, non_traina
     """``(result, per_example, aux)``: the engine path's result (``None`` on the materialized
     path) or the per-example gradients (``None`` on the others; a DP rule's non-finite
     examples zeroed), and the batch's ``aux`` (``y_pred``, ``seeds``, ``mask``, ...);
-    ``problem``: the wrapper's (``wrapper._problem()``, derived once a step)."""
+    ``problem``: the wrapper's (``wrapper.per_example_problem()``, derived once a step)."""
     aggregator = wrapper.aggregator
     path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
     aggregator.pop_batch_term()  # none left over from a traced step that raised
     aggregator.pop_batch_totals()
     inputs = (problem, aggregator, trainable_values, non_trainable_values, x, y, sample_weight)
+
+    def on_statistics_path():
+        if chunked.supports(aggregator):
+            result, aux = statistics.aggregate(
+                *inputs, loss_scale=plan.engine_scale, gathered=plan.gathered,
+                keep_layers=wrapper.diagnostics_request() is not None,
+            )
+        else:
+            result, aux = streaming.aggregate(
+                *inputs, loss_scale=plan.engine_scale, microbatch_size=wrapper.microbatch_size,
+                gathered=plan.gathered,
+            )
+        return result, None, aux
+
+    def on_materialized_path():
+        per_example, aux = problem.compute(
+            trainable_values, non_trainable_values, x, y, sample_weight, wrapper.microbatch_size,
+            loss_scale=plan.engine_scale,
+        )
+        if aggregator.differentially_private:
+            per_example = zero_non_finite_examples(per_example)
+        return None, per_example, aux
+
     if path == STATISTICS_PATH:
-        try:
-            if chunked.supports(aggregator):
-                result, aux = statistics.aggregate(
-                    *inputs, loss_scale=plan.engine_scale, gathered=plan.gathered,
-                    keep_layers=wrapper._diagnostics_request() is not None,
-                )
-            else:
-                result, aux = streaming.aggregate(
-                    *inputs, loss_scale=plan.engine_scale, microbatch_size=wrapper.microbatch_size,
-                    gathered=plan.gathered,
-                )
-            return result, None, aux
-        except statistics.Unsupported as error:
-            if wrapper.engine_path == STATISTICS_PATH:
-                raise ValueError(
-                    f"The statistics path cannot train model {wrapper.model.name!r}: {error}. "
-                    "Use path='auto' (it then takes the materialized path) or 'materialized'."
-                ) from error
-            log_materialized(wrapper, str(error))
-            path = MATERIALIZED_PATH
+        name = wrapper.model.name
+
+        def refusal(reason):
+            return ValueError(
+                f"The statistics path cannot train model {name!r}: {reason}. "
+                "Use path='auto' (it then takes the materialized path) or 'materialized'."
+            )
+
+        return statistics.statistics_or_materialized(
+            on_statistics_path, on_materialized_path, wrapper,
+            f"model {name!r} takes the materialized path (every per-example gradient)",
+            refusal=refusal if wrapper.engine_path == STATISTICS_PATH else None,
+        )
     if path == CHUNKED_PATH:
         # Accumulated chunk by chunk: no (B, ...) per-example tensor exists. A DP
         # rule's non-finite examples are zeroed in every chunk.
         result, aux = chunked.aggregate(*inputs, wrapper.microbatch_size, loss_scale=plan.engine_scale)
         return result, None, aux
-    per_example, aux = problem.compute(
-        trainable_values, non_trainable_values, x, y, sample_weight, wrapper.microbatch_size,
-        loss_scale=plan.engine_scale,
-    )
-    if aggregator.differentially_private:
-        per_example = zero_non_finite_examples(per_example)
-    return None, per_example, aux
+    return on_materialized_path()
 
 
 def check_output_mask(wrapper, problem, aux) -> None:
@@ -260,7 +263,7 @@ def combine_replicas(wrapper, plan: ReplicaPlan, result) -> list:
     if totals is not None:  # the same totals, hence the same state, on every replica
         sums, update = totals
         update(replicas.global_sum(sums) if local else sums)
-    wrapper._keep_reports(aggregator.pop_reports(replicas.global_sum) if local else aggregator.pop_reports())
+    wrapper.keep_reports(aggregator.pop_reports(replicas.global_sum) if local else aggregator.pop_reports())
     return result
 
 
@@ -316,7 +319,7 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     """
     aggregator = wrapper.aggregator
     check_units(aggregator, units)
-    problem = wrapper._problem()
+    problem = wrapper.per_example_problem()
     plan = replica_plan(wrapper, x)
     if units is not None:  # read by the rule's weights, on whichever path
         aggregator.set_units(units)
@@ -332,13 +335,13 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
             aggregator.pop_units()
     result = combine_replicas(wrapper, plan, result)
     result = post_process(wrapper, problem, plan, result, per_example, aux, trainable_values)
-    request = wrapper._diagnostics_request()
+    request = wrapper.diagnostics_request()
     if request is not None:  # pergrad.diagnostics: logged with the rule's diagnostics
         from pergrad.diagnostics import batch_values
 
         values = batch_values(request, problem, trainable_values, non_trainable_values, x, y,
                               sample_weight, per_example, aux.get("layers"), aux.get("batch_mean"))
-        wrapper._keep_reports({**(wrapper._take_reports() or {}), **values})
+        wrapper.keep_reports({**(wrapper.take_reports() or {}), **values})
     y_pred = aux["y_pred"]
     if "mask" in aux:
         compat.set_mask(tree.flatten(y_pred)[0], aux["mask"])

@@ -106,7 +106,7 @@ class StatelessTrainStep(_StepLimit):
             scope.get_current_value(v) if scope.get_current_value(v) is not None else value
             for v, value in zip(self.non_trainable_variables, non_trainable)
         ]
-        for position, state_value in zip(self._problem().seed_positions, seeds):
+        for position, state_value in zip(self.per_example_problem().seed_positions, seeds):
             non_trainable[inner[position]] = state_value
         loss, (_, non_trainable, metrics_variables) = self.stateless_compute_loss(
             trainable,
@@ -158,9 +158,9 @@ class StatefulTrainStep(_StepLimit):
             units,
         )
         # Each replica's own (kept per thread).
-        reports = self._take_reports()
+        reports = self.take_reports()
         if seeds:  # (a pass that draws no random numbers advances none)
-            for position, state_value in zip(self._problem().seed_positions, seeds):
+            for position, state_value in zip(self.per_example_problem().seed_positions, seeds):
                 variables[position].assign(state_value)
         # The logged loss is the one plain Keras reports for this batch
         # (before the update, with the same predictions; without the 1 / R
@@ -173,7 +173,7 @@ class StatefulTrainStep(_StepLimit):
         with adapter().no_grad(after=x):  # after the batch check (TF graphs)
             self._apply(grads, allowed)
         if reports is not None:
-            self._keep_reports(reports)
+            self.keep_reports(reports)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _apply(self, grads, allowed):

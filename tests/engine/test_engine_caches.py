@@ -44,3 +44,30 @@ def test_fallback_warnings_are_logged_once_per_problem(caplog):
         warn_once(one, "another reason")
     assert caplog.text.count("pergrad: a reason.") == 2
     assert caplog.text.count("pergrad: another reason.") == 1
+
+
+def test_compiled_functions_are_keyed_on_the_variables_the_problem_and_their_options():
+    """``engine.problem.compiled_once``, the cache of every standalone function: a freeze
+    selects another function and an unfreeze the first again; a recompile another problem."""
+    from pergrad.engine.problem import cached_problem, compiled_once
+
+    problem = problems.dense_mlp()
+    problem.compile()
+    model = problem.model
+    owner = cached_problem(model, None, True)
+
+    def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+        return trainable_values
+
+    first = compiled_once(owner, "kind", pure, 1)
+    assert compiled_once(owner, "kind", lambda *args: None, 1) is first  # the key's first
+    assert compiled_once(owner, "kind", pure, 2) is not first
+    assert compiled_once(owner, "other kind", pure, 1) is not first
+    model.layers[0].trainable = False
+    assert compiled_once(owner, "kind", pure, 1) is not first
+    statistics = pergrad.per_example_statistics(model, problem.x, problem.y)
+    assert statistics.squared_norms.shape[1] == len(model.trainable_variables)
+    model.layers[0].trainable = True
+    assert compiled_once(owner, "kind", pure, 1) is first
+    problem.compile()
+    assert cached_problem(model, None, True) is not owner

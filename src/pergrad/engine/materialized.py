@@ -11,32 +11,25 @@ from __future__ import annotations
 from keras import ops
 
 from pergrad.arguments import check_microbatch_size
-from pergrad.backend import adapter
-from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
+from pergrad.engine.problem import cached_problem, check_model, compiled_once, map_optional
 
 
 def _standalone_function(problem, microbatch_size):
     """``problem.compute`` as a compiled, pure function of the variable values and data.
 
     One per (trainable variables, non-trainable variables, microbatch size), in
-    order and by identity: a freeze or unfreeze selects another function. The
-    backend's compiler keys on the input signature itself (TF: relaxed shapes,
-    so a new batch size retraces at most once more; JAX: one trace per shape).
+    order and by identity (:func:`compiled_once`): a freeze or unfreeze selects
+    another function. The backend's compiler keys on the input signature itself
+    (TF: relaxed shapes, so a new batch size retraces at most once more; JAX: one
+    trace per shape).
     """
-    model = problem.model
-    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
-    key = (tuple(map(id, trainable)), tuple(map(id, non_trainable)), microbatch_size)
+    def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+        grads, aux = problem.compute(
+            trainable_values, non_trainable_values, x, y, sample_weight, microbatch_size
+        )
+        return grads, aux["seeds"]
 
-    def make():
-        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
-            grads, aux = problem.compute(
-                trainable_values, non_trainable_values, x, y, sample_weight, microbatch_size
-            )
-            return grads, aux["seeds"]
-
-        return (trainable, non_trainable), adapter().compile(pure)
-
-    return bounded_get(problem.compiled_functions, key, make)[1]
+    return compiled_once(problem, "materialized", pure, microbatch_size)
 
 
 def per_example_gradients(

@@ -563,6 +563,25 @@ def bounded_get(cache: OrderedDict, key, make):
     return value
 
 
+def compiled_once(problem, name: str, pure, *options):
+    """``adapter().compile(pure)``, compiled once per (``name``, the model's trainable
+    variables, its non-trainable variables, ``options``) in ``problem.compiled_functions``.
+
+    The variables are keyed in order and by identity, read on every call: a freeze, an
+    unfreeze or a new layer selects another function (the loss and a recompile select
+    another problem: :func:`cached_problem`). The entry holds the variables, so that their
+    ids cannot be reused while it lives. ``options``: whatever else ``pure`` was made
+    with (a microbatch size, a diagnostics request). ``pure(trainable_values,
+    non_trainable_values, x, y, sample_weight)``; only the first ``pure`` of a key is kept.
+    """
+    model = problem.model
+    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
+    key = (name, tuple(map(id, trainable)), tuple(map(id, non_trainable)), *options)
+    return bounded_get(
+        problem.compiled_functions, key, lambda: ((trainable, non_trainable), adapter().compile(pure))
+    )[1]
+
+
 class _CachedProblem(PerExampleProblem):
     """A problem kept for its model in :data:`_PROBLEMS`: it holds the model weakly, so
     that the cache, which lives as long as the model, does not keep the model alive."""

@@ -30,11 +30,35 @@ from pergrad.engine.capture import capture, grad_with_aux, has_convolutions, wei
 from pergrad.engine.layers import Layers
 from pergrad.engine.materialized import per_example_gradients
 from pergrad.engine.plan import Unsupported, cached_plan
-from pergrad.engine.problem import bounded_get, cached_problem, check_model, map_optional
+from pergrad.engine.problem import cached_problem, check_model, compiled_once, map_optional
 from pergrad.log import warn_once
 from pergrad.tensors import as_float32
 
-__all__ = ["Unsupported", "aggregate", "per_example_statistics", "prepare", "statistics"]
+__all__ = [
+    "Unsupported", "aggregate", "per_example_statistics", "prepare", "statistics",
+    "statistics_or_materialized",
+]
+
+
+def statistics_or_materialized(on_statistics_path, on_materialized_path, owner, fallback: str,
+                               refusal=None):
+    """The one fallback from the statistics path to the materialized path.
+
+    ``on_statistics_path()``; where the statistics path cannot take the model (it raises
+    :class:`Unsupported`, found when its dry run plans the model), ``on_materialized_path()``
+    (every per-example gradient) instead, logged once per ``owner`` and reason as
+    ``"{fallback}: {reason}"``. ``refusal``: where given, ``refusal(reason)`` (an exception)
+    is raised instead of falling back (the step's ``path="statistics"``). Used by the train
+    step (``pergrad.step.run_engine``), :func:`per_example_statistics`, ``pergrad.scores``
+    and ``pergrad.diagnostics``; each says what it computes on either path.
+    """
+    try:
+        return on_statistics_path()
+    except Unsupported as error:
+        if refusal is not None:
+            raise refusal(str(error)) from error
+        warn_once(owner, f"{fallback}: {error}")
+    return on_materialized_path()
 
 
 def _log_fallback(problem, plan):
@@ -259,19 +283,12 @@ def statistics(problem, trainable_values, non_trainable_values, x, y=None, sampl
 
 def _statistics_function(problem, gram: bool):
     """``statistics`` compiled once per (trainable variables, non-trainable variables, gram)."""
-    model = problem.model
-    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
-    key = ("statistics", tuple(map(id, trainable)), tuple(map(id, non_trainable)), gram)
+    def pure(trainable_values, non_trainable_values, x, y, sample_weight):
+        stats, aux = statistics(problem, trainable_values, non_trainable_values, x, y,
+                                sample_weight, gram=gram)
+        return stats.scaled_squared_norms, stats.scale, stats.gram, aux["seeds"]
 
-    def make():
-        def pure(trainable_values, non_trainable_values, x, y, sample_weight):
-            stats, aux = statistics(problem, trainable_values, non_trainable_values, x, y,
-                                    sample_weight, gram=gram)
-            return stats.scaled_squared_norms, stats.scale, stats.gram, aux["seeds"]
-
-        return (trainable, non_trainable), adapter().compile(pure)
-
-    return bounded_get(problem.compiled_functions, key, make)[1]
+    return compiled_once(problem, "statistics", pure, gram)
 
 
 def per_example_statistics(model, x, y=None, sample_weight=None, *, loss=None, training: bool = True,
@@ -296,14 +313,18 @@ def per_example_statistics(model, x, y=None, sample_weight=None, *, loss=None, t
     x, y, sample_weight = (map_optional(ops.convert_to_tensor, t) for t in (x, y, sample_weight))
     values = [v.value for v in model.trainable_variables]
     states = [v.value for v in model.non_trainable_variables]
-    try:
+
+    def on_statistics_path():
         norms, scale, gram_matrix, seeds = _statistics_function(problem, gram)(
             values, states, x, y, sample_weight
         )
-    except Unsupported as error:
-        warn_once(problem, f"per_example_statistics uses the materialized path: {error}")
+        for position, state in zip(problem.seed_positions, seeds):
+            model.non_trainable_variables[position].assign(state)
+        return ExampleStatistics(norms, gram_matrix, scale=scale)
+
+    def on_materialized_path():  # (per_example_gradients advances the seed states)
         grads = per_example_gradients(model, x, y, sample_weight, loss=loss, training=training)
         return ExampleStatistics.from_gradients(grads, gram=gram)
-    for position, state in zip(problem.seed_positions, seeds):
-        model.non_trainable_variables[position].assign(state)
-    return ExampleStatistics(norms, gram_matrix, scale=scale)
+
+    return statistics_or_materialized(on_statistics_path, on_materialized_path, problem,
+                                      "per_example_statistics uses the materialized path")

@@ -117,10 +117,7 @@ class _LSTM(_Cell):
     cell_class = keras.layers.LSTMCell
 
     def covers(self, cell) -> bool:
-        own = self.cell_class
-        return (super().covers(cell)
-                and type(cell)._compute_carry_and_output_fused is own._compute_carry_and_output_fused
-                and type(cell)._compute_carry_and_output is own._compute_carry_and_output
+        return (super().covers(cell) and compat.keeps_lstm_carry(cell, self.cell_class)
                 and cell.recurrent_dropout == 0.0 and (cell.dropout == 0.0 or cell.implementation == 2))
 
     def step(self, cell, weights, p, h, states, recurrent_mask):
