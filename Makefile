@@ -12,11 +12,19 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# The development environment: every backend, the tests' and benchmarks' packages.
-$(BIN)/.installed: pyproject.toml requirements-dev.txt requirements-keras-hub.txt \
+# The development environment: every backend, the tests' and benchmarks' packages, the
+# benchmarks' DP peers among them (benchmarks/peers.py, dp_epoch.py; tests/test_benchmarks.py
+# checks TF Privacy and jax-privacy against pergrad): Opacus and jax-privacy (the bench extra,
+# in requirements-dev.txt), then without dependencies keras-hub, TF Privacy and tf_keras of the
+# installed TensorFlow's minor version (tf_keras requires the package `tensorflow`, which would
+# install beside tensorflow-cpu; TF Privacy's pins, tensorflow~=2.4, numpy~=1.21,
+# dp-accounting==0.4.3, would move the project's versions).
+$(BIN)/.installed: pyproject.toml requirements-dev.txt requirements-keras-hub.txt requirements-peers.txt \
 		requirements-tensorflow.txt requirements-jax.txt requirements-torch.txt | $(BIN)/python
 	$(BIN)/pip install -q -r requirements-dev.txt
-	$(BIN)/pip install -q --no-deps -r requirements-keras-hub.txt
+	$(BIN)/pip install -q --no-deps -r requirements-keras-hub.txt -r requirements-peers.txt \
+		"tf-keras~=$$(TF_CPP_MIN_LOG_LEVEL=3 $(BIN)/python -c \
+		'import tensorflow as tf; print(tf.__version__.rsplit(".", 1)[0])' 2>/dev/null).0"
 	touch $@
 
 install: $(BIN)/.installed
@@ -48,14 +56,8 @@ test: install
 bench: install
 	KERAS_BACKEND=$${KERAS_BACKEND:-tensorflow} $(BIN)/python benchmarks/bench.py
 
-# The benchmarks' DP peers (benchmarks/peers.py, dp_epoch.py): Opacus and jax-privacy (the bench
-# extra), then without dependencies tf_keras of the installed TensorFlow's minor version (it requires
-# the package `tensorflow`, which would install beside tensorflow-cpu) and TF Privacy (its pins,
-# tensorflow~=2.4, numpy~=1.21, dp-accounting==0.4.3, would move the project's versions).
+# The benchmarks' DP peers are part of `make install` (above); kept as a name for it.
 bench-peers: install
-	$(BIN)/pip install -q -e ".[bench]"
-	$(BIN)/pip install -q --no-deps "tensorflow-privacy==0.9.0" "tf-keras~=$$(TF_CPP_MIN_LOG_LEVEL=3 \
-		$(BIN)/python -c 'import tensorflow as tf; print(tf.__version__.rsplit(".", 1)[0])' 2>/dev/null).0"
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks

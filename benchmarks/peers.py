@@ -35,14 +35,15 @@ the largest entry). The results are printed under the table (and saved with
 
 TensorFlow Privacy needs ``tf.keras`` to be ``tf_keras``, set before TensorFlow is
 imported (``process.use_tf_keras_for_tf_privacy``, part of
-``process.before_backend_import``). Install with ``make bench-peers``: the ``bench`` extra
-(Opacus, jax-privacy), then without dependencies ``tf-keras`` of the installed
-TensorFlow's minor version (it requires the package ``tensorflow``, which would
-land beside ``tensorflow-cpu``) and TF Privacy (its pins would move TensorFlow,
-NumPy and dp-accounting)::
+``process.before_backend_import``). ``make install`` installs them (the tests check
+them: ``tests/test_benchmarks.py``): the ``bench`` extra (Opacus, jax-privacy), then
+without dependencies ``tf-keras`` of the installed TensorFlow's minor version (it
+requires the package ``tensorflow``, which would land beside ``tensorflow-cpu``) and
+TF Privacy (``requirements-peers.txt``; its pins would move TensorFlow, NumPy and
+dp-accounting). By hand, in another environment::
 
-    .venv/bin/pip install -e ".[bench]"
-    .venv/bin/pip install --no-deps "tensorflow-privacy==0.9.0" "tf-keras~=2.21.0"
+    pip install -e ".[bench]"
+    pip install --no-deps "tensorflow-privacy==0.9.0" "tf-keras~=2.21.0"
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def unsupported(recipe: str, aggregation: str, backend: str) -> str | None:
         return f"{recipe} rows run in the {RECIPES[recipe]} run only"
     if not installed(recipe):
         package = "tensorflow-privacy and tf_keras" if recipe.startswith("tf-") else "jax-privacy"
-        return f"{package} not installed (make bench-peers, see benchmarks/README.md)"
+        return f"{package} not installed (make install, see benchmarks/README.md)"
     if recipe == "tf-privacy-plain":
         return None if aggregation == "" else "tf-privacy-plain takes no aggregation"
     if aggregation not in AGGREGATIONS:

@@ -91,7 +91,7 @@ def disable_onednn_for_attention(models) -> None:
 
 
 def tf_privacy_installed() -> bool:
-    """Whether TF Privacy and the ``tf_keras`` it trains with are installed (``make bench-peers``)."""
+    """Whether TF Privacy and the ``tf_keras`` it trains with are installed (``make install``)."""
     return bool(importlib.util.find_spec("tensorflow_privacy") and importlib.util.find_spec("tf_keras"))
 
 

@@ -139,7 +139,7 @@ def test_dp_peers_compute_the_noise_free_clipped_mean_of_pergrad_clip():
     rows, packages = _PEERS[BACKEND]
     missing = [p for p in packages if importlib.util.find_spec(p) is None]
     if missing:
-        pytest.skip(f"{', '.join(missing)} not installed (the bench extra: benchmarks/README.md)")
+        pytest.skip(f"{', '.join(missing)} not installed (make install installs them: benchmarks/README.md)")
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(BENCHMARKS))
     completed = subprocess.run([sys.executable, "-c", _PEER_CHECKS, *rows], env=environment,
                                capture_output=True, text=True, timeout=600)
