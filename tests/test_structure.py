@@ -309,3 +309,79 @@ def test_no_module_uses_another_modules_private_names():
     found = _private_names_used_across_modules()
     assert [f for f in found if f not in PRIVATE_ACCESS_ALLOWED] == []
     assert sorted(set(PRIVATE_ACCESS_ALLOWED) - set(found)) == []  # no stale entry
+
+
+#: What some backend adapters define and others lack, outside ``OPTIONAL_KERNELS``: each is
+#: reached only where its backend is known (``scan``: not on torch, whose ``EAGER_LOOPS``
+#: :func:`pergrad.backend.eager` reads; ``PER_EXAMPLE_SEED_DRAWS``: the torch adapter's own).
+PARTIAL_ADAPTER_NAMES = {"EAGER_LOOPS", "PER_EXAMPLE_SEED_DRAWS", "scan"}
+
+
+def _adapter_names(name: str) -> set[str]:
+    """The public names a backend adapter module defines or re-exports."""
+    tree = ast.parse((SOURCE / "backend" / f"{name}.py").read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pergrad.backend._"):
+            names.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return {n for n in names if not n.startswith("_")}
+
+
+def _kernel_probes() -> list[str]:
+    """``module: line`` of every ``getattr`` / ``hasattr`` outside ``backend/`` whose object is
+    ``adapter()`` or whose name is an optional kernel's, and of every
+    ``optional_kernel(...)`` whose argument is not a declared kernel's name."""
+    from pergrad.backend import OPTIONAL_KERNELS
+
+    found = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        if path.relative_to(SOURCE).parts[0] == "backend":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            args = node.args
+            if node.func.id in ("getattr", "hasattr") and len(args) >= 2:
+                on_adapter = isinstance(args[0], ast.Call) and (
+                    getattr(args[0].func, "id", None) == "adapter"
+                    or getattr(args[0].func, "attr", None) == "adapter")
+                named = isinstance(args[1], ast.Constant) and args[1].value in OPTIONAL_KERNELS
+                if on_adapter or named:
+                    found.append(f"{_module_name(path)}: {node.lineno}")
+            elif node.func.id == "optional_kernel" and not (
+                    args and isinstance(args[0], ast.Constant) and args[0].value in OPTIONAL_KERNELS):
+                found.append(f"{_module_name(path)}: {node.lineno}")
+    return found
+
+
+def test_optional_backend_kernels_are_declared_and_asked_for_through_one_function():
+    """Code outside ``backend/`` asks for a kernel only some backends have with
+    ``pergrad.backend.optional_kernel`` (a name of ``OPTIONAL_KERNELS``), never by probing
+    the adapter (``getattr(adapter(), name, None)``); every name an adapter lacks is declared."""
+    from pergrad.backend import OPTIONAL_KERNELS
+
+    assert _kernel_probes() == []
+    adapters = [_adapter_names(name) for name in ("tensorflow", "jax", "torch")]
+    partial = set.union(*adapters) - set.intersection(*adapters)
+    assert sorted(partial - set(OPTIONAL_KERNELS) - PARTIAL_ADAPTER_NAMES) == []
+    assert sorted(set(OPTIONAL_KERNELS) - partial) == []  # each one some adapter lacks
+    assert all(isinstance(doc, str) and "(" in doc for doc in OPTIONAL_KERNELS.values())
+
+
+def test_the_probe_check_finds_probes(tmp_path, monkeypatch):
+    package = tmp_path / "pkg"
+    (package / "backend").mkdir(parents=True)
+    (package / "backend" / "__init__.py").write_text("x = getattr(adapter(), 'fused', None)\n")
+    (package / "a.py").write_text(
+        "a = getattr(adapter(), 'anything', None)\n"
+        "b = hasattr(backend.adapter(), 'x')\n"
+        "c = getattr(other, 'noise_words', None)\n"
+        "d = optional_kernel('not_a_kernel')\n"
+        "e = optional_kernel('fused') or getattr(layer, 'kernel', None)\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "SOURCE", package)
+    assert _kernel_probes() == ["pkg.a: 1", "pkg.a: 2", "pkg.a: 3", "pkg.a: 4"]

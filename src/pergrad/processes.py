@@ -34,19 +34,19 @@ import keras
 import numpy as np
 from keras import tree
 
-from pergrad.backend import adapter
+from pergrad.backend import adapter, optional_kernel
 
 
 def count() -> int:
     """How many processes this run has (``jax.process_count()``; TensorFlow: the workers
     of the ``TF_CONFIG`` cluster); 1 on one host or where the backend has none."""
-    counter = getattr(adapter(), "process_count", None)
+    counter = optional_kernel("process_count")
     return 1 if counter is None else int(counter())
 
 
 def index() -> int:
     """This process's index, ``0 .. count() - 1``."""
-    finder = getattr(adapter(), "process_index", None)
+    finder = optional_kernel("process_index")
     return 0 if finder is None else int(finder())
 
 
@@ -60,7 +60,7 @@ def data_part() -> tuple[int, int] | None:
     if count() <= 1:
         return 0, 1
     distribution = keras.distribution.distribution()
-    finder = getattr(adapter(), "data_part", None)
+    finder = optional_kernel("data_part")
     if distribution is None or finder is None:
         return None
     return finder(distribution.get_data_layout((1,)))
@@ -79,7 +79,7 @@ def secret_words(words: int) -> np.ndarray:
     collective). On several TensorFlow workers each draws its own (``MultiWorkerMirroredStrategy``
     adds a DP rule's noise on replica 0 only: :func:`replica_refusal`)."""
     drawn = np.array([secrets.randbits(32) for _ in range(words)], np.uint32)
-    broadcast = getattr(adapter(), "broadcast_from_first", None)
+    broadcast = optional_kernel("broadcast_from_first")
     if count() > 1 and broadcast is not None:
         drawn = np.asarray(broadcast(drawn), np.uint32)
     return drawn
@@ -116,7 +116,7 @@ def join_sampler(sampler, sharded: bool) -> tuple[int, int]:
         ValueError: the samplers disagree, or the backend cannot join them (TensorFlow).
     """
     type_name = type(sampler).__name__
-    if not hasattr(adapter(), "gather_processes"):
+    if optional_kernel("gather_processes") is None:
         raise ValueError(
             f"{type_name} cannot split its Poisson samples over the {count()} TensorFlow workers of "
             "this TF_CONFIG cluster (each worker process would draw its own batches, so the "
@@ -178,7 +178,7 @@ def check_fit(model, sampled: bool) -> None:
     processes = count()
     if processes <= 1 or not getattr(getattr(model, "aggregator", None), "differentially_private", False):
         return
-    if not hasattr(adapter(), "data_part"):
+    if optional_kernel("data_part") is None:
         # TensorFlow: a fit() outside MultiWorkerMirroredStrategy trains this worker's own model,
         # and Keras 3.15's fit() fails under it (custom loops: replica_refusal).
         return

@@ -15,7 +15,7 @@ from keras import ops, tree
 
 from pergrad import compat, replicas
 from pergrad.aggregators.base import split_units
-from pergrad.backend import adapter
+from pergrad.backend import adapter, optional_kernel
 
 
 def update_mean(metric, value, sample_weight=None) -> None:
@@ -24,7 +24,7 @@ def update_mean(metric, value, sample_weight=None) -> None:
     torch: a few microseconds where Keras's update costs ~40 a step) and it computes the
     same (Keras's own ``update_state``, a Python number or no ``sample_weight``, no mask,
     outside a ``StatelessScope``), else by ``update_state``."""
-    fast = getattr(adapter(), "add_to_mean", None)
+    fast = optional_kernel("add_to_mean")
     weight = 1 if sample_weight is None else sample_weight
     if (fast is None or type(metric).update_state is not keras.metrics.Mean.update_state
             or not isinstance(weight, (int, float)) or tuple(getattr(value, "shape", (None,))) != ()
@@ -40,7 +40,7 @@ class StepMean(keras.metrics.Mean):
     reads every metric's result every step)."""
 
     def result(self):
-        fast = getattr(adapter(), "mean_result", None)
+        fast = optional_kernel("mean_result")
         if fast is None or compat.in_stateless_scope():
             return super().result()
         return fast(self.total, self.count)

@@ -20,7 +20,7 @@ from pergrad.aggregators.base import (
 )
 from pergrad.aggregators.registry import register
 from pergrad.arguments import check_number
-from pergrad.backend import adapter
+from pergrad.backend import optional_kernel
 from pergrad.tensors import as_float32
 
 
@@ -132,7 +132,7 @@ def _factors_and_count(norms, threshold):
     """``(factors, count)``: :func:`clip_factors`'s factors of ``norms`` and how many of them
     exceed ``threshold`` (float32), by the adapter's own where it has one (torch: two
     ops where Keras's dispatch takes five)."""
-    fast = getattr(adapter(), "clip_factors", None)
+    fast = optional_kernel("clip_factors")
     if fast is not None:
         return fast(norms, threshold)
     return threshold / ops.maximum(norms, threshold), ops.sum(ops.cast(norms > threshold, "float32"))

@@ -42,7 +42,7 @@ import functools
 import keras
 from keras import ops
 
-from pergrad.backend import adapter, eager
+from pergrad.backend import adapter, eager, optional_kernel
 
 # The fastest strategy per backend, from benchmarks/selection.py.
 _STRATEGY = {"tensorflow": "network", "jax": "network", "torch": "backend"}
@@ -103,7 +103,7 @@ def _rows_top_k(x, lo, hi):
 
 
 def _rows_backend(x, lo, hi):
-    ranks = getattr(adapter(), "sorted_ranks", None)  # (torch's adapter has one)
+    ranks = optional_kernel("sorted_ranks")  # (torch's adapter has one)
     rows = None if ranks is None else ranks(x, lo, hi)
     return _rows_top_k(x, lo, hi) if rows is None else rows
 
@@ -166,7 +166,7 @@ def _rows_network(x, lo, hi, block=None):
     if key not in _FUSED:
         # TensorFlow's graph runs each of the network's many small ops as its own pass over
         # memory; XLA fuses them (jax.jit does already, torch has nothing comparable).
-        fused = getattr(adapter(), "fused", None)
+        fused = optional_kernel("fused")
         network = functools.partial(_network_blocks, lo=lo, hi=hi, columns=columns)
         _FUSED[key] = fused(network) if fused else network
     return _FUSED[key](x)
@@ -292,7 +292,7 @@ def _unrolled(name, x, *args):
     shape: XLA:CPU fuses a network on slices of a reshaped tensor 5x worse."""
     key = (keras.backend.backend(), name, x.shape[0]) + args
     if key not in _FUSED:
-        fused = getattr(adapter(), "fused", None)
+        fused = optional_kernel("fused")
         function = functools.partial(_call_with, function=_UNROLLED[name], args=args)
         _FUSED[key] = fused(function) if fused else function
     return _FUSED[key](x)
@@ -310,13 +310,13 @@ def _rank_sum_and_nan(x, lo, hi, strategy):
     (``rank_sums``) where it can."""
     flat = ops.reshape(x, (x.shape[0], -1))
     shape = ops.shape(x)[1:]
-    backend = adapter() if strategy == "backend" else None
-    summed = getattr(backend, "rank_sums", None)
+    backend = strategy == "backend"
+    summed = optional_kernel("rank_sums") if backend else None
     found = None if summed is None else summed(flat, lo, hi)
     if found is not None:
         return ops.reshape(found[0], shape), ops.reshape(found[1], shape)
     has_nan = None
-    ranks = getattr(backend, "sorted_ranks", None)
+    ranks = optional_kernel("sorted_ranks") if backend else None
     found = None if ranks is None else ranks(flat, lo, hi, with_nan=True)
     if found is not None:
         rows, has_nan = found
@@ -366,7 +366,7 @@ def _trimmed_mean(x, dropped, strategy):
 
 def _outer_rank_sums(a, d, lo, hi):
     """The adapter's ``outer_rank_sums`` of the rows ``a_j ⊗ d_j`` (torch) or ``None``."""
-    ranks = getattr(adapter(), "outer_rank_sums", None)
+    ranks = optional_kernel("outer_rank_sums")
     if ranks is None or _strategy(a) != "backend":
         return None
     return ranks(a, d, lo, hi)
@@ -404,7 +404,7 @@ def outer_meamed(a, d, kept):
     """:func:`meamed` of the outer products ``a_j ⊗ d_j``, as :func:`outer_median` (``None``
     also where ``kept`` is not a Python int in ``[1, B]``)."""
     b = _static_batch(a)
-    function = getattr(adapter(), "outer_meamed", None)
+    function = optional_kernel("outer_meamed")
     if function is None or _strategy(a) != "backend" or b is None or not isinstance(kept, int):
         return None
     return function(a, d, kept) if 0 < kept <= b else None
@@ -436,7 +436,7 @@ def _running_count(mask):
 
 def _meamed(x, kept, strategy):
     b = _static_batch(x)
-    columns = getattr(adapter(), "meamed_columns", None) if strategy == "backend" else None
+    columns = optional_kernel("meamed_columns") if strategy == "backend" else None
     if columns is not None and b is not None and isinstance(kept, int) and 0 < kept <= b:
         found = columns(ops.reshape(x, (b, -1)), kept)  # torch: all of it in one pass of blocks
         if found is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from keras import ops
 
-from pergrad.backend import adapter, eager
+from pergrad.backend import adapter, eager, optional_kernel
 from pergrad.tensors import as_float32, example_rows
 
 
@@ -73,7 +73,7 @@ class ExampleStatistics:
     def flat_norms(self):
         """``(B,)`` L2 norms of the flat gradients, without overflow."""
         if self.scale is None:
-            fast = getattr(adapter(), "flat_norms_2d", None)
+            fast = optional_kernel("flat_norms_2d")
             if fast is not None:
                 return fast(self.scaled_squared_norms)
             return ops.sqrt(ops.sum(self.scaled_squared_norms, axis=1))
@@ -150,28 +150,28 @@ def overflow_safe(plain, rescaled):
 def stack_columns(columns):
     """``(B, V)``: ``V`` tensors of shape ``(B,)`` as columns (``ops.stack(columns, axis=1)``,
     by the adapter's own where it has one: torch)."""
-    fast = getattr(adapter(), "stack_columns", None)
+    fast = optional_kernel("stack_columns")
     return ops.stack(columns, axis=1) if fast is None else fast(columns)
 
 
 def row_squared_norms(rows):
     """``(B,)``: each row's squared norm of a ``(B, n)`` tensor (torch: one pass over it,
     where ``sum(r * r)`` makes three)."""
-    fast = getattr(adapter(), "row_squared_norms_2d", None)
+    fast = optional_kernel("row_squared_norms_2d")
     return ops.sum(rows * rows, axis=1) if fast is None else fast(rows)
 
 
 def example_squared_norms(gradients):
     """``(B,)``: each example's squared norm of a ``(B, ...)`` tensor (torch: one pass, no
     reshape op)."""
-    fast = getattr(adapter(), "example_squared_norms", None)
+    fast = optional_kernel("example_squared_norms")
     return row_squared_norms(example_rows(gradients)) if fast is None else fast(gradients)
 
 
 def example_weighted_sum(gradients, weights):
     """``sum_i w_i g_i`` of ``(B, ...)`` gradients and ``(B,)`` weights, in the shape of one
     example's (torch: one contraction, no reshape op)."""
-    fast = getattr(adapter(), "example_weighted_sum", None)
+    fast = optional_kernel("example_weighted_sum")
     if fast is not None:
         return fast(gradients, weights)
     return ops.reshape(ops.matmul(weights[None, :], example_rows(gradients))[0], ops.shape(gradients)[1:])

@@ -43,17 +43,15 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
   (``jax.distributed``; TF: the ``TF_CONFIG`` cluster's workers); ``broadcast_from_first``,
   ``gather_processes`` and ``data_part(layout)`` (JAX only): host-level collectives over them
   and the part of every global batch this process feeds (``pergrad.processes``).
-- ``fused(fn)`` (TF only): ``fn`` compiled by XLA, for
-  ``pergrad.aggregators.selection``'s sorting network.
-- ``traced_apart(fn)`` (TF only; :func:`traced_apart` elsewhere calls ``fn``): ``fn()``'s
-  Python result, its ops traced in a graph of their own, for the dry runs (the
-  statistics path's plan, the model checks) that a step's trace would otherwise keep.
-- ``sorted_ranks(x, lo, hi)`` (torch only): ranks ``[lo, hi)`` over axis 0 of a
-  ``(B, N)`` tensor by NumPy's sort where it applies (CPU), else ``None``, for
-  ``pergrad.aggregators.selection``.
 - ``random_state()`` / ``set_random_state(state)``: the global generators that
   torch's unseeded random layers draw from (``None`` elsewhere), so that a
   chunk recomputed by ``pergrad.engine.chunked`` draws the same dropout masks.
+
+Some adapters also define *optional kernels*: functions only some backends have (torch's
+raw-torch fast paths, TensorFlow's ``fused``, JAX's multi-host collectives). They are all
+declared in :data:`OPTIONAL_KERNELS`, and code outside this package asks for one with
+:func:`optional_kernel`, which returns the active adapter's function or ``None`` where that backend
+has none (the caller then runs its ``keras.ops`` version).
 """
 
 import importlib
@@ -66,11 +64,108 @@ class NotVectorizable(NotImplementedError):
     engine path (the statistics path does not hand such a model to the materialized one)."""
 
 
+#: Every optional kernel an adapter may define: ``name -> what it computes (which backends
+#: have it)``. :func:`optional_kernel` returns the active adapter's one or ``None``; an adapter
+#: defines it under this name, with its full documentation at the definition.
+OPTIONAL_KERNELS = {
+    # -- the statistics path and the aggregators' norms (raw torch: a Keras op's dispatch,
+    #    5-35 us, costs more than its arithmetic at these sizes)
+    "row_squared_norms_2d": "``(B,)``: each row's squared norm of a 2-D tensor (torch).",
+    "stack_columns": "``(B, V)`` from ``V`` tensors of shape ``(B,)`` (torch).",
+    "all_finite": (
+        "Whether every entry of a tensor is finite, as a Python bool (torch; only called "
+        "where :func:`eager`)."
+    ),
+    "flat_norms_2d": "``(B,)``: ``sqrt(sum_k squared_norms[:, k])`` (torch).",
+    "clip_factors": (
+        "``min(1, threshold / norms)`` and how many norms exceed ``threshold`` (torch)."
+    ),
+    "example_squared_norms": (
+        "``(B,)``: each formed per-example gradient's squared norm, any rank (torch)."
+    ),
+    "example_weighted_sum": "``sum_i w_i g_i`` of formed per-example gradients (torch).",
+    # -- layer rules' formulas (torch)
+    "outer_per_example": (
+        "``(B, d_in, d_out)``: every example's ``A_i^T D_i``, one batched matmul (torch)."
+    ),
+    "outer_weighted_sum_2d": "``(d_in, d_out)``: ``A^T diag(w) D`` (torch).",
+    "weighted_row_sum_2d": "``(d,)``: ``sum_i w_i d_i`` (torch).",
+    "token_squared_norms": (
+        "``(B,)``: an embedding's per-example squared gradient norm from sorted ids (torch)."
+    ),
+    "conv_patches": (
+        "``(B, T, k, C)``: a convolution's patches by one strided view of the padded "
+        "input (torch)."
+    ),
+    "segment_sum_rows": (
+        "``(count, ...)``: rows summed by their ids, as ``keras.ops.segment_sum`` (torch)."
+    ),
+    # -- the trainer's metrics (torch)
+    "add_to_mean": "A Keras ``Mean`` metric's update, in place (torch).",
+    "mean_result": "A ``Mean`` metric's result, ``divide_no_nan(total, count)`` (torch).",
+    # -- the coordinate-wise selection rules (pergrad.aggregators.selection)
+    "sorted_ranks": (
+        "Ranks ``[lo, hi)`` over axis 0 of a ``(B, N)`` tensor by NumPy's sort where it "
+        "applies (CPU), else ``None`` (torch)."
+    ),
+    "rank_sums": (
+        "The sums of the ranks ``[lo, hi)`` over axis 0 of a ``(B, N)`` tensor and its "
+        "columns' NaN flags, where ``sorted_ranks``'s sort applies, else ``None`` "
+        "(torch)."
+    ),
+    "meamed_columns": (
+        "``(N,)``: MeaMed per column of a ``(B, N)`` CPU tensor, else ``None`` (torch)."
+    ),
+    "outer_rank_sums": (
+        "Rank sums and NaN flags of per-example outer products ``a_i ⊗ d_i`` without "
+        "forming them, else ``None`` (torch)."
+    ),
+    "outer_meamed": (
+        "``(p, q)``: MeaMed of per-example outer products without forming them, else "
+        "``None`` (torch)."
+    ),
+    "fused": (
+        "``fn`` compiled by XLA (``jit_compile``), for long elementwise chains: the "
+        "selection rules' sorting network, DP noise's draw (TensorFlow)."
+    ),
+    # -- DP noise (pergrad.privacy.noise)
+    "noise_words": (
+        "NumPy's Philox-4x64-10 random words for DP noise, a chunk at a time (torch)."
+    ),
+    # -- the engine
+    "grad_with_aux_at_outputs": (
+        "Gradients with respect to the parameters and to intermediate outputs in one "
+        "backward pass (torch)."
+    ),
+    "traced_apart": (
+        "``fn()``'s Python result, its ops traced in a graph of their own, for the dry runs "
+        "a step's trace would otherwise keep (TensorFlow; see :func:`traced_apart`)."
+    ),
+    # -- several processes (pergrad.processes)
+    "process_count": "The processes of the run (JAX, TensorFlow; else 1 is assumed).",
+    "process_index": "This process's index (JAX, TensorFlow; else 0 is assumed).",
+    "broadcast_from_first": "Process 0's NumPy ``values`` on every process (JAX).",
+    "gather_processes": "Every process's NumPy ``values``, stacked in process order (JAX).",
+    "data_part": (
+        "``(part, parts)``: the part of every global batch this process feeds under a "
+        "data layout, or ``None`` (JAX)."
+    ),
+}
+
+
+def optional_kernel(name):
+    """The active adapter's optional kernel ``name`` (a key of :data:`OPTIONAL_KERNELS`),
+    or ``None`` where the backend has none; an undeclared ``name`` raises ``KeyError``."""
+    if name not in OPTIONAL_KERNELS:
+        raise KeyError(f"{name!r} is not an optional backend kernel (OPTIONAL_KERNELS)")
+    return getattr(adapter(), name, None)
+
+
 def traced_apart(fn):
     """``fn()``, whose result holds no tensors, run by the adapter's ``traced_apart`` where
     it has one (TensorFlow), else called (JAX's compiler drops what nothing uses; torch
     runs eagerly)."""
-    apart = getattr(adapter(), "traced_apart", None)
+    apart = optional_kernel("traced_apart")
     return fn() if apart is None else apart(fn)
 
 

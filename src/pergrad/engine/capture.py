@@ -12,7 +12,7 @@ from __future__ import annotations
 from keras import ops, tree
 
 from pergrad import compat
-from pergrad.backend import NotVectorizable, adapter
+from pergrad.backend import NotVectorizable, adapter, optional_kernel
 from pergrad.engine.plan import Interceptor, Unsupported, is_tensor
 from pergrad.tensors import cast, float_count, is_float
 
@@ -47,7 +47,7 @@ def capture(problem, plan, trainable_values, batched, shared, batch_size, loss_s
     # zeros and additions are full-size ops): where one batched pass runs and every call
     # has a rule, whose forward returns a tensor of its own computation.
     marking = (whole_batch and not any(call.fallback for call in plan.calls)
-               and hasattr(adapter(), "grad_with_aux_at_outputs"))
+               and optional_kernel("grad_with_aux_at_outputs") is not None)
     probes = [] if marking else [[probe_zeros(spec) for spec in call.specs] for call in plan.calls]
     # (the probes' passes: the values as constants, for no gradient of theirs)
     constants = [] if marking else [ops.stop_gradient(v) for v in trainable_values]

@@ -26,7 +26,7 @@ from keras import ops
 
 from pergrad import replicas
 from pergrad.aggregators.base import COORDINATE, ExampleStatistics
-from pergrad.backend import adapter, eager
+from pergrad.backend import eager, optional_kernel
 from pergrad.engine import statistics
 from pergrad.layer_rules.dense import OuterRows, outer_rows
 
@@ -85,7 +85,7 @@ def _takes_factors(final) -> bool:
     selects over them (torch: ``outer_rank_sums``)."""
     method = getattr(type(final), "aggregate_variable", None)
     return (getattr(method, "takes_outer_rows", False)
-            and getattr(adapter(), "outer_rank_sums", None) is not None)
+            and optional_kernel("outer_rank_sums") is not None)
 
 
 def supports(aggregator) -> bool:

@@ -53,7 +53,7 @@ from keras import ops
 
 from pergrad import compat
 from pergrad.aggregators.statistics import example_squared_norms
-from pergrad.backend import adapter
+from pergrad.backend import optional_kernel
 from pergrad.layer_rules.base import PreActivationRule, register_rule
 from pergrad.layer_rules.dense import (
     outer_materializes,
@@ -212,7 +212,7 @@ class Product(NamedTuple):
         products), or, where the adapter forms the patches at once (``conv_patches``: torch,
         where each op costs its dispatch; 49 offsets of a 7 x 7 kernel), one of all ``k``."""
         patches, groups = self.a, self.groups
-        fast = getattr(adapter(), "conv_patches", None)
+        fast = optional_kernel("conv_patches")
         if fast is None or patches.shape.offsets == 1:
             tensors = list(patches)
         else:

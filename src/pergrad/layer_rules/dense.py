@@ -30,7 +30,7 @@ import math
 import keras
 from keras import ops
 
-from pergrad.backend import adapter
+from pergrad.backend import optional_kernel
 from pergrad.layer_rules.base import (
     LayerRule,
     PreActivationRule,
@@ -91,7 +91,7 @@ def outer_per_example(inputs, delta):
     if len(inputs.shape) == 2:  # an outer product per example
         return inputs[:, :, None] * delta[:, None, :]
     a, d = _flat(inputs, delta)
-    fast = _eager("outer_per_example")
+    fast = optional_kernel("outer_per_example")
     return ops.einsum("bni,bno->bio", a, d) if fast is None else fast(a, d)
 
 
@@ -152,12 +152,6 @@ def outer_rows(enabled=True):
         _OUTER_ROWS.reset(token)
 
 
-def _eager(name):
-    """The backend adapter's own version of a 2-D formula (torch: raw torch ops, where each
-    Keras op's dispatch costs more than its arithmetic), or ``None``."""
-    return getattr(adapter(), name, None)
-
-
 def outer_squared_norms(inputs, delta):
     """``(B,)``: ``||A_i^T D_i||^2`` by the ghost formula."""
     if len(inputs.shape) == 2:  # the common case, without reshapes (each op costs on torch)
@@ -171,7 +165,7 @@ def outer_squared_norms(inputs, delta):
 def outer_weighted_sum(inputs, delta, weights):
     """``(d_in, d_out)``: ``sum_i w_i A_i^T D_i = (diag(w) A)^T D``."""
     if len(inputs.shape) == 2:
-        fast = _eager("outer_weighted_sum_2d")
+        fast = optional_kernel("outer_weighted_sum_2d")
         if fast is not None:
             return fast(inputs, delta, weights)
         return ops.matmul(ops.transpose(inputs), delta * weights[:, None])
@@ -183,7 +177,7 @@ def outer_weighted_sum(inputs, delta, weights):
 
 def _row_squared_norms(rows):
     """``(B,)``: each row's squared norm of a ``(B, n)`` tensor."""
-    fast = _eager("row_squared_norms_2d")
+    fast = optional_kernel("row_squared_norms_2d")
     return ops.sum(ops.square(rows), axis=1) if fast is None else fast(rows)
 
 
@@ -196,7 +190,7 @@ def _bias_squared_norms(delta):
 
 def _bias_weighted_sum(delta, weights):
     if len(delta.shape) == 2:
-        fast = _eager("weighted_row_sum_2d")
+        fast = optional_kernel("weighted_row_sum_2d")
         return ops.matmul(weights[None, :], delta)[0] if fast is None else fast(delta, weights)
     _, d = _flat(delta, delta)
     return ops.sum(d * weights[:, None, None], axis=(0, 1))

@@ -21,7 +21,7 @@ import math
 import keras
 from keras import ops
 
-from pergrad.backend import adapter
+from pergrad.backend import optional_kernel
 from pergrad.layer_rules.base import LayerRule, PreActivationRule, reduce_to, register_rule
 from pergrad.layer_rules.dense import lora_scale, outer_per_example, variable_value
 
@@ -77,7 +77,7 @@ class EinsumDenseRule(PreActivationRule):
             return super().per_example(layer, values, inputs, delta)
         x, kernel, output = specs
         variables = self.variables(layer)
-        fast = getattr(adapter(), "outer_per_example", None)
+        fast = optional_kernel("outer_per_example")
         shared = None if fast is None else _positions(x, kernel, output)
 
         def kernel_gradient(d):

@@ -27,7 +27,7 @@ import keras
 from keras import ops
 
 from pergrad.aggregators.base import row_scales
-from pergrad.backend import adapter
+from pergrad.backend import optional_kernel
 from pergrad.layer_rules.base import (
     LayerRule,
     OutputRule,
@@ -52,7 +52,7 @@ from pergrad.tensors import batch_size_of, cast
 def _segment_sum(rows, ids, count):
     """``ops.segment_sum(rows, ids, num_segments=count)``, by the backend adapter's own
     version where it has one (torch)."""
-    fast = getattr(adapter(), "segment_sum_rows", None)
+    fast = optional_kernel("segment_sum_rows")
     if fast is not None:
         return fast(rows, ids, count)
     return ops.segment_sum(rows, ids, num_segments=count)
@@ -118,7 +118,7 @@ class EmbeddingRule(OutputRule):
 
     def squared_norms(self, layer, values, inputs, delta) -> list:
         ids, d = _flat(inputs, delta)
-        fast = getattr(adapter(), "token_squared_norms", None)
+        fast = optional_kernel("token_squared_norms")
         if fast is not None:  # (torch: each example's ids sorted, B T d adds)
             return [fast(ids, d)]
         same = ops.cast(ops.equal(ids[:, :, None], ids[:, None, :]), d.dtype)

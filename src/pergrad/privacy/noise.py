@@ -8,8 +8,8 @@ The construction, and why each of its parts is there, is in docs/architecture.md
 - **Bits.** Coordinate ``i`` of step ``t`` gets the 128-bit block ``F_{k_t}(i, t, 0, 0)``:
   no two coordinates, steps or keys share a bit. ``F`` is a counter-based block
   function of Salmon et al. (2011): Threefry-4x32-20 written here in ``keras.ops`` (XLA
-  fuses it on JAX, and on TensorFlow through ``adapter().fused``), Philox-4x64-10 (NumPy's)
-  on torch, which has no compiler to fuse ~200 integer ops (``adapter().noise_words``; the
+  fuses it on JAX, and on TensorFlow through the adapter's ``fused``), Philox-4x64-10 (NumPy's)
+  on torch, which has no compiler to fuse ~200 integer ops (the adapter's ``noise_words``; the
   transform then runs in NumPy too).
 - **Transform.** ``n = s * sqrt(-2 ln U) * sin(Psi)``: ``U`` uniform on ``2^96`` points of
   ``(0, 1]`` (four 24-bit digits, so that in float32 it has a full mantissa at every scale
@@ -36,7 +36,7 @@ import numpy as np
 from keras import ops
 
 from pergrad import processes
-from pergrad.backend import adapter
+from pergrad.backend import optional_kernel
 
 #: 32-bit words in a key: 256 bits (the two 128-bit halves ``K_a``, ``K_b``).
 KEY_WORDS = 8
@@ -148,7 +148,7 @@ def random_words(key, step, count: int):
 
     ``key``: ``KEY_WORDS`` int32 words; ``step``: an int32 scalar (tensor or int).
     """
-    noise_words = getattr(adapter(), "noise_words", None)
+    noise_words = optional_kernel("noise_words")
     if noise_words is not None:
         return list(np.concatenate(list(noise_words(key, step, count)), axis=1).reshape(4, count))
     key = ops.cast(key, "uint32")
@@ -162,7 +162,7 @@ def random_words(key, step, count: int):
 
 
 def _noise(key, step, scale, size):
-    noise_words = getattr(adapter(), "noise_words", None)
+    noise_words = optional_kernel("noise_words")
     if noise_words is not None:  # torch: NumPy words, transformed in NumPy chunk by chunk
         scale, values, start = np.float32(ops.convert_to_numpy(scale)), np.empty(size, np.float32), 0
         for words in noise_words(key, step, size):
@@ -192,7 +192,7 @@ def gaussian_noise(key, step, size: int, scale):
     if cache_key not in _COMPILED:
         # TensorFlow's graph runs each of the ~200 integer ops as its own pass over memory;
         # XLA fuses them (jax.jit does already; torch draws its words in NumPy).
-        fused = getattr(adapter(), "fused", None)
+        fused = optional_kernel("fused")
         function = functools.partial(_noise, size=size)
         _COMPILED[cache_key] = fused(function) if fused else function
     return _COMPILED[cache_key](ops.cast(key, "int32"), ops.cast(step, "int32"), ops.cast(scale, "float32"))
