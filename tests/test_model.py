@@ -393,10 +393,12 @@ def test_mixed_float16_with_loss_scaling_trains_like_plain_fit():
 # --- the custom train_step recipe ---------------------------------------------------------------
 
 
-def _readme_recipe() -> str:
-    """The README's "Writing your own `train_step`" code block, verbatim."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Writing your own `train_step`", 1)[1].split("\n## ", 1)[0]
+CUSTOM_TRAIN_STEP = Path(__file__).resolve().parents[1] / "docs" / "custom-train-step.md"
+
+
+def _train_step_recipe() -> str:
+    """The code block of docs/custom-train-step.md's "The recipe", verbatim."""
+    section = CUSTOM_TRAIN_STEP.read_text().split("## The recipe", 1)[1].split("\n## ", 1)[0]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
@@ -406,12 +408,12 @@ def _readme_recipe() -> str:
     "arrays), so a stateful train_step recipe does not apply; PerExampleModel implements "
     "the stateless JAX step and is tested on JAX everywhere else.",
 )
-def test_readme_train_step_recipe_matches_per_example_model():
-    """The README's code, run as written (given `keras_model`, `x`, `y`), trains like
+def test_custom_train_step_recipe_matches_per_example_model():
+    """docs/custom-train-step.md's recipe, run as written (given `keras_model`, `x`, `y`), trains like
     ``PerExampleModel(model, "median")`` and logs the same loss and metrics."""
     problem = problems.dense_mlp()
     namespace = {"keras_model": problem.model, "x": problem.x, "y": problem.y}
-    exec(compile(_readme_recipe(), "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    exec(compile(_train_step_recipe(), "docs/custom-train-step.md", "exec"), namespace)  # noqa: S102 - our docs
     recipe, history = namespace["model"], namespace["history"]
 
     reference = problems.dense_mlp()
