@@ -299,6 +299,10 @@ def test_banded_mf_accounting_refuses_unseparated_participations():
         privacy.banded_mf_epsilon(1.0, 0.1, 100, 1e-5, bands=4, cycle_length=2)
     with pytest.raises(ValueError, match="at least 4 steps apart"):
         privacy.banded_mf_event(1.0, 0.1, 100, bands=4, cycle_length=3)
+    for bad in ({"steps": -1}, {"steps": 2.5}, {"noise_multiplier": -1.0}, {"sampling_rate": 1.5}):
+        arguments = {"noise_multiplier": 1.0, "sampling_rate": 0.1, "steps": 100, **bad}
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            privacy.banded_mf_event(**arguments, bands=2)
     poisson = PoissonSampler(*data(), sampling_rate=0.1, seed=0)
     with pytest.raises(ValueError, match="CyclicPoissonSampler"):
         privacy.banded_mf_epsilon(1.0, 0.1, 100, 1e-5, bands=2, sampler=poisson)

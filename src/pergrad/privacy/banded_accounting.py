@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 
-from pergrad.privacy.accounting import _check, dp_sgd_event, epsilon
+from pergrad.privacy.accounting import dp_sgd_event, epsilon
 
 
 def participations(steps: int, cycle_length: int) -> int:
@@ -96,7 +96,9 @@ def banded_mf_event(noise_multiplier: float, sampling_rate: float, steps: int, *
     """
     cycle_length = bands if cycle_length is None else cycle_length
     check_separation(bands, cycle_length)
-    _check(noise_multiplier, sampling_rate, steps, 0.5)
+    if isinstance(steps, bool) or int(steps) != steps or steps < 0:
+        raise ValueError(f"steps must be a non-negative integer, got {steps!r}.")
+    epsilon(noise_multiplier, sampling_rate, 0, 0.5)  # validates z and q (0 steps: nothing computed)
     return dp_sgd_event(noise_multiplier, sampling_rate, participations(steps, cycle_length))
 
 

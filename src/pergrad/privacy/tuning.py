@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 
-from pergrad.privacy.accounting import _dp_accounting, _quiet_accountant
+from pergrad.privacy.accounting import make_accountant
 
 #: The named distributions of the number of runs: their ``RepeatAndSelectDpEvent`` shape.
 DISTRIBUTIONS = {"logarithmic": 0.0, "geometric": 1.0, "poisson": math.inf}
@@ -70,10 +70,12 @@ def tuning_event(run_event, mean_runs: float, distribution="geometric"):
         distribution: the law of ``K``: ``"geometric"`` (default), ``"logarithmic"``,
             ``"poisson"``, or a truncated negative binomial's shape ``eta >= 0``.
     """
-    dp_accounting = _dp_accounting()
+    make_accountant("rdp")  # raises the install hint without dp-accounting
+    from dp_accounting.dp_event import RepeatAndSelectDpEvent
+
     if not mean_runs >= 1:
         raise ValueError(f"mean_runs must be at least 1, got {mean_runs}.")
-    return dp_accounting.dp_event.RepeatAndSelectDpEvent(run_event, float(mean_runs), _shape(distribution))
+    return RepeatAndSelectDpEvent(run_event, float(mean_runs), _shape(distribution))
 
 
 def tuning_epsilon(run_event, mean_runs: float, delta: float, distribution="geometric") -> float:
@@ -99,7 +101,6 @@ def tuning_epsilon(run_event, mean_runs: float, delta: float, distribution="geom
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}.")
     event = tuning_event(run_event, mean_runs, distribution)
-    accountant = _dp_accounting().rdp.RdpAccountant()
-    with _quiet_accountant():
-        accountant.compose(event)
-        return float(accountant.get_epsilon(delta))
+    accountant = make_accountant("rdp")
+    accountant.compose(event)
+    return float(accountant.get_epsilon(delta))
