@@ -133,8 +133,8 @@ def test_the_sensitivity_of_other_coefficients_needs_separated_participations():
         strategy.sensitivity(9, 2)
 
 
-def test_optimized_coefficients_match_jax_privacy():
-    steps, bands = 64, 4
+@pytest.mark.parametrize("steps,bands", [(64, 4), (512, 16)])
+def test_optimized_coefficients_match_jax_privacy(steps, bands):
     optimized = BandedStrategy.optimized(bands, steps)
     assert optimized.max_column_norm == pytest.approx(1.0)
     assert optimized.loss(steps) < BandedStrategy.fhu(bands).loss(steps)

@@ -116,8 +116,14 @@ class BandedStrategy:
     def optimized(cls, bands: int, steps: int, *, initial=None, max_iterations: int = 500) -> BandedStrategy:
         """The ``bands`` coefficients (of norm 1) that minimize :meth:`loss` for ``steps`` steps: the
         mean squared error of the prefix sums times the squared sensitivity of one participation,
-        jax-privacy's ``toeplitz.optimize_banded_toeplitz`` objective, by SciPy's L-BFGS from
-        :meth:`fhu` with the exact gradient. Needs SciPy (which ``dp-accounting`` brings).
+        jax-privacy's ``toeplitz.optimize_banded_toeplitz`` objective, by SciPy's L-BFGS on its
+        logarithm from :meth:`fhu` (or ``initial``) with the exact gradient; never worse than the
+        start. Milliseconds to a fraction of a second for ``steps <= 10^4``, ``bands <= 64``.
+        Needs SciPy (which ``dp-accounting`` brings).
+
+        The coefficients are optimized for ``steps`` steps; unlike the FHU ones they need not be
+        positive and non-increasing, so nothing guarantees that the noise recurrence stays
+        bounded beyond ``steps`` (check :meth:`noise_variance` for longer runs).
         """
         try:
             from scipy import optimize
@@ -131,10 +137,14 @@ class BandedStrategy:
             raise ValueError(f"initial must have shape ({bands},), got {start.shape}.")
         start = start / np.linalg.norm(start)
         result = optimize.minimize(
-            lambda c: _loss_and_gradient(c, steps), start, jac=True, method="L-BFGS-B",
-            options={"maxiter": int(max_iterations)},
+            lambda c: _log_loss_and_gradient(c, steps), start, jac=True, method="L-BFGS-B",
+            options={"maxiter": int(max_iterations), "gtol": 1e-12, "ftol": 1e-15},
         )
-        return cls(result.x).normalized()
+        found = result.x
+        better = _log_loss_and_gradient(found, steps)[0] < _log_loss_and_gradient(start, steps)[0]
+        if not (found[0] > 0 and better):
+            found = start  # never worse than where it started
+        return cls(found).normalized()
 
     @property
     def coefficients(self) -> np.ndarray:
@@ -275,6 +285,17 @@ def _loss_and_gradient(c: np.ndarray, steps: int) -> tuple[float, np.ndarray]:
     shifted = [float(adjoint[k:] @ y[: n - k]) if k < n else 0.0 for k in range(len(c))]
     gradient = -np.asarray(shifted) + 2.0 * c * error
     return loss, gradient
+
+
+def _log_loss_and_gradient(c: np.ndarray, steps: int) -> tuple[float, np.ndarray]:
+    """``log`` of :func:`_loss_and_gradient` (better scaled for L-BFGS); a large value and no
+    gradient where the recurrence diverges (a root of ``sum c_k x^k`` inside the unit disk), so
+    that the line search steps back."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        loss, gradient = _loss_and_gradient(c, steps)
+    if not (np.isfinite(loss) and loss > 0 and np.all(np.isfinite(gradient))):
+        return 1e6, np.zeros_like(c)
+    return math.log(loss), gradient / loss
 
 
 def _positive_int(name: str, value) -> int:
