@@ -44,11 +44,14 @@ from pergrad.privacy.auditing import (
     best_guesses,
     epsilon_lower_bound,
 )
+from pergrad.privacy.banded import BandedStrategy, correlate_step, fhu_coefficients
+from pergrad.privacy.banded_accounting import banded_mf_epsilon, banded_mf_event
 from pergrad.privacy.callbacks import (
     PrivacyAccountant,
     PrivacyBudgetExhaustedError,
     check_dp_fit,
 )
+from pergrad.privacy.cyclic import CyclicPoissonSampler
 from pergrad.privacy.dp_sgd import (
     DPGaussian,
     dp_gaussian,
@@ -59,6 +62,7 @@ from pergrad.privacy.sampling import (
     default_bucket_width,
     max_batch_size_for,
 )
+from pergrad.privacy.tuning import tuning_epsilon, tuning_event
 from pergrad.privacy.units import (
     UserLevelDPGaussian,
     UserSampler,
@@ -76,7 +80,9 @@ __all__ = [
     "UNIT_INPUTS",
     "AdaptiveDPGaussian",
     "AuditResult",
+    "BandedStrategy",
     "BatchOverflowError",
+    "CyclicPoissonSampler",
     "DPGaussian",
     "NotPoissonSampledWarning",
     "NotPrivateError",
@@ -88,18 +94,24 @@ __all__ = [
     "adaptive_dp_gaussian",
     "audit",
     "audit_p_value",
+    "banded_mf_epsilon",
+    "banded_mf_event",
     "best_guesses",
     "check_dp_fit",
+    "correlate_step",
     "default_bucket_width",
     "dp_gaussian",
     "dp_sgd_event",
     "epsilon",
     "epsilon_lower_bound",
+    "fhu_coefficients",
     "gradient_noise_multiplier",
     "make_accountant",
     "max_batch_size_for",
     "noise_multiplier_for",
     "steps_within_budget",
+    "tuning_epsilon",
+    "tuning_event",
     "user_level_dp_gaussian",
     "validate_model_for_dp",
     "zero_non_finite_examples",
