@@ -1,4 +1,4 @@
-"""The replica policy's helpers (``pergrad.replicas``) on one replica, as documented.
+"""The replica policy's helpers (``pergrad.distributed.replicas``) on one replica, as documented.
 
 On one replica (no ``tf.distribute`` strategy, no ``keras.distribution``) every
 collective is the identity: a sum, a mean, a gather over the replicas is the value
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from pergrad import replicas
+from pergrad.distributed import replicas
 
 VALUES = np.arange(12, dtype="float32").reshape(4, 3) - 5.0
 

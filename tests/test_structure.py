@@ -205,21 +205,23 @@ def test_no_import_cycle_in_the_package():
 def test_the_engine_and_the_replicas_ask_rules_instead_of_importing_them():
     """Path choice and replica policy come from what rules declare (``aggregators.base``)."""
     graph = import_graph()
-    asking = [name for name in graph if name.startswith("pergrad.engine") or name == "pergrad.replicas"]
+    asking = [name for name in graph
+              if name.startswith("pergrad.engine") or name == "pergrad.distributed.replicas"]
     rules = ("pergrad.aggregators", "pergrad.privacy")
     concrete = {
         name: sorted(m for m in graph[name] if m.startswith(rules) and m != "pergrad.aggregators.base")
         for name in asking
     }
     assert concrete == {name: [] for name in asking}
-    assert graph["pergrad.replicas"] <= {"pergrad.backend", "pergrad.tensors"}  # under the step
+    assert graph["pergrad.distributed.replicas"] <= {"pergrad.backend", "pergrad.tensors"}  # under the step
 
 
 def test_rules_leave_every_collective_to_the_distributed_layer():
     """``aggregators/`` and ``privacy/`` return local quantities (sums, counts, a noise
     term): the engine, the step and the replicas module (every collective) are above them."""
     graph = import_graph()
-    above = ("pergrad.engine", "pergrad.step", "pergrad.replicas", "pergrad.model", "pergrad.trainers")
+    above = ("pergrad.engine", "pergrad.step", "pergrad.distributed.replicas", "pergrad.model",
+             "pergrad.trainers")
     rules = [name for name in graph if name.startswith(("pergrad.aggregators", "pergrad.privacy"))]
     assert rules
     assert {name: sorted(m for m in graph[name] if m.startswith(above)) for name in rules} == {

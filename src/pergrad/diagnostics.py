@@ -365,7 +365,7 @@ class GradientDiagnostics(keras.callbacks.Callback):
     # -- which train function each step runs ---------------------------------------------
 
     def on_train_begin(self, logs=None):
-        from pergrad.replicas import count
+        from pergrad.distributed.replicas import count
 
         model = self.model
         if not hasattr(model, "set_diagnostics_request"):  # (pergrad.model imports this module)

@@ -10,10 +10,11 @@ import keras
 from keras import ops, tree
 
 from pergrad import aggregators as aggregators_module
-from pergrad import compat, processes, replicas, step, trainers
+from pergrad import compat, step, trainers
 from pergrad.aggregators.base import split_units
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
+from pergrad.distributed import processes, replicas
 from pergrad.engine import PerExampleProblem, check_model, mean_reduced
 
 # JAX's stateless train_step(state, data) or TF's and torch's train_step(data).
@@ -156,7 +157,7 @@ class PerExampleModel(_TrainStep, keras.Model):
         if count <= 1:
             return
         reason = step.replica_refusal(self)
-        if reason is None:  # exact on TF (pergrad.replicas)
+        if reason is None:  # exact on TF (pergrad.distributed.replicas)
             return
         engine = _REPLICA_ENGINES.get(keras.backend.backend(), "a distribution")
         raise ValueError(

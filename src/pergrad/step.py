@@ -8,7 +8,7 @@ engine path: statistics, chunked or materialized), :func:`check_output_mask`
 materialized per-example gradients, as the plan says), :func:`combine_replicas`
 (the rule's batch term and diagnostics, once over the replicas) and
 :func:`post_process` (the non-finite rule, the replica's share, the regularizer,
-the loss scale). Every collective is ``pergrad.replicas``'s; the rules return
+the loss scale). Every collective is ``pergrad.distributed.replicas``'s; the rules return
 local quantities. The backend-specific ``train_step`` glue that calls it lives
 in ``pergrad.trainers``.
 """
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import keras
 from keras import ops, tree
 
-from pergrad import compat, processes, replicas
+from pergrad import compat
 from pergrad.aggregators.base import (
     LOCAL_MEAN,
     STATISTICS,
@@ -30,6 +30,7 @@ from pergrad.aggregators.base import (
     check_result,
     zero_non_finite_examples,
 )
+from pergrad.distributed import processes, replicas
 from pergrad.engine import chunked, statistics, streaming
 from pergrad.tensors import all_finite
 
@@ -85,7 +86,7 @@ def engine_path(aggregator, path: str, microbatch_size: int | None) -> str:
 
 def replica_refusal(wrapper) -> str | None:
     """Why ``wrapper`` (a ``PerExampleModel``) cannot train exactly on several replicas
-    that each run the step (``pergrad.replicas``), or ``None``."""
+    that each run the step (``pergrad.distributed.replicas``), or ``None``."""
     if keras.backend.backend() != "tensorflow":
         return "replicas that each run the train step are supported on TensorFlow only"
     aggregator = wrapper.aggregator
@@ -126,7 +127,7 @@ def loss_scale(optimizer, variables):
 
 
 class ReplicaPlan(NamedTuple):
-    """What this replica's step computes (``pergrad.replicas``); on one device, the whole."""
+    """What this replica's step computes (``pergrad.distributed.replicas``); on one device, the whole."""
 
     #: Whether several replicas each run the step on their shard of the batch.
     several: bool

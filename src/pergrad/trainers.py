@@ -13,9 +13,10 @@ from __future__ import annotations
 import keras
 from keras import ops, tree
 
-from pergrad import compat, replicas
+from pergrad import compat
 from pergrad.aggregators.base import split_units
 from pergrad.backend import adapter, optional_kernel
+from pergrad.distributed import replicas
 
 
 def update_mean(metric, value, sample_weight=None) -> None:

@@ -14,7 +14,6 @@ import functools
 
 from keras import ops, tree
 
-from pergrad import replicas
 from pergrad.aggregators.base import (
     RowMap,
     example_squared_norms,
@@ -26,6 +25,7 @@ from pergrad.aggregators.base import (
     stack_columns,
     zero_examples,
 )
+from pergrad.distributed import replicas
 from pergrad.engine.plan import is_tensor, leading_one
 from pergrad.layer_rules.base import (
     divide_rows,
@@ -137,7 +137,7 @@ class Layers:
 
     def gathered(self):
         """These layers over every replica's examples: each call's ``A`` and ``D``
-        all-gathered, in replica order (``pergrad.replicas``)."""
+        all-gathered, in replica order (``pergrad.distributed.replicas``)."""
         return self.with_tensors(replicas.gather)
 
     def _values(self, call):

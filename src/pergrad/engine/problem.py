@@ -20,8 +20,9 @@ import keras
 import numpy as np
 from keras import ops, tree
 
-from pergrad import compat, replicas
+from pergrad import compat
 from pergrad.backend import adapter, traced_apart
+from pergrad.distributed import replicas
 from pergrad.layers import batch_normalization_refusal
 from pergrad.tensors import scale_rows
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from keras import ops
 
-from pergrad import compat, replicas
+from pergrad import compat
 from pergrad.aggregators.base import LOCAL_SUM, ExampleStatistics
 from pergrad.backend import adapter
+from pergrad.distributed import replicas
 from pergrad.engine.capture import capture, grad_with_aux, has_convolutions, weighted_losses
 from pergrad.engine.layers import Layers
 from pergrad.engine.materialized import per_example_gradients
@@ -214,7 +215,7 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     Args and returns as :func:`pergrad.engine.chunked.aggregate`: ``(result, aux)``,
     ``result`` aligned with the trainable variables (unscaled), ``aux`` with each
     example's ``loss``, ``y_pred``, ``mask`` (masked outputs) and advanced ``seeds``.
-    With ``gathered`` (a replica of several, ``pergrad.replicas``), the weights come
+    With ``gathered`` (a replica of several, ``pergrad.distributed.replicas``), the weights come
     from the statistics of the whole batch (norms all-gathered; for a Gram rule, each
     layer's ``A`` and ``D``) and ``result`` is this replica's examples' part of the sum.
     With ``keep_layers``, ``aux["layers"]`` holds the batch's

@@ -24,9 +24,9 @@ import math
 
 from keras import ops
 
-from pergrad import replicas
 from pergrad.aggregators.base import COORDINATE, ExampleStatistics
 from pergrad.backend import eager, optional_kernel
+from pergrad.distributed import replicas
 from pergrad.engine import statistics
 from pergrad.layer_rules.dense import OuterRows, outer_rows
 
@@ -105,7 +105,7 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     Returns ``(result, aux)`` as :func:`pergrad.engine.statistics.aggregate`, with
     ``aux["finite"]``: whether every per-example gradient was finite (the step
     makes the update NaN otherwise, as on the materialized path). With ``gathered``
-    (a replica of several, ``pergrad.replicas``), each layer's ``A`` and ``D`` are
+    (a replica of several, ``pergrad.distributed.replicas``), each layer's ``A`` and ``D`` are
     all-gathered, every replica forms the whole batch's rows but aggregates only its
     own parts of the variables (zeros elsewhere): the replicas' sum is the result.
     Raises
