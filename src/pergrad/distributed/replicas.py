@@ -3,31 +3,34 @@
 Keras's TF trainer runs ``train_step`` on every replica with its shard of the
 batch and the optimizer sums the replicas' gradients. Each replica returns a
 part of the single-device result, so that the sum is that result
-(docs/architecture.md, 'Multi-device training'): rules whose weights need no
-other example's gradient (their ``distribution``; ``pergrad.step`` decides)
-aggregate their shard, scaled by its share of the batch (:func:`local_fraction`)
-unless they sum; the others see the whole batch through all-gathers
-(:func:`gather`: norms, each layer's ``A`` and ``D``, or per-example gradients)
-and take their own rows (:func:`local_rows`), their own coordinates
-(:func:`owns`) or, on replica 0, the whole result (:func:`first_replica`); a
-rule of groups exchanges only the groups' results (:func:`combine_groups`).
+(docs/multi-device.md): rules whose weights need no other example's gradient
+(their ``distribution``; :class:`Replicas`) aggregate their shard, scaled by its
+share of the batch (:func:`local_fraction`) unless they sum; the others
+(:class:`GatheredReplicas`) see the whole batch through all-gathers (:func:`gather`:
+norms, each layer's ``A`` and ``D``, or per-example gradients) and take their own
+rows (:func:`local_rows`), their own coordinates (:func:`owns`) or, on replica 0,
+the whole result (:func:`first_replica`); a rule of groups exchanges only the
+groups' results (:func:`combine_groups`).
 
-The one place of every collective: rules return local quantities. The step adds
-a rule's batch term (DP noise) and the weight regularizer's gradient on replica
-0 only, and sums a rule's diagnostics reported as sums and counts over the
-replicas (:func:`global_sum`), so that they describe the whole batch.
-``keras.ops``, ``keras.distribution`` and the backend adapter only; a rule is
-asked through its methods, never imported.
+The one place of every collective of the step: rules return local quantities, and
+the step calls the two classes here through the methods of
+:class:`~pergrad.engine.collectives.Collectives` (``pergrad.distributed.training``
+picks one). A rule's batch term (DP noise) and the weight regularizer's gradient
+are added on replica 0 only, and a rule's diagnostics reported as sums and counts
+are summed over the replicas (:func:`global_sum`), so that they describe the whole
+batch. ``keras.ops`` and the backend adapter only; a rule is asked through its
+methods, never imported. :func:`refusal` says what cannot be made exact.
 """
 
 from __future__ import annotations
 
-import math
-
 import keras
 from keras import ops
 
+from pergrad.aggregators.base import WHOLE_BATCH
 from pergrad.backend import adapter
+from pergrad.distributed import layouts, processes
+from pergrad.engine.collectives import Collectives
 from pergrad.tensors import all_finite
 
 
@@ -92,15 +95,20 @@ def global_size(local_size):
     return global_sum(ops.convert_to_tensor(local_size, "int32"))
 
 
+def first_row(local_size):
+    """Where this replica's shard starts in the global batch (replica order): the sizes of
+    the shards before it, summed."""
+    sizes = gather(ops.reshape(ops.convert_to_tensor(local_size, "int32"), (1,)))
+    return ops.sum(ops.where(ops.arange(count()) < adapter().replica_id(), sizes, 0))
+
+
 def local_rows(values, local_size):
     """The rows of this replica's shard in ``values``, a ``(B, ...)`` tensor over the
     global batch in replica order (:func:`gather`)."""
     if count() <= 1:
         return values
     local_size = ops.convert_to_tensor(local_size, "int32")
-    sizes = gather(ops.reshape(local_size, (1,)))
-    before = ops.sum(ops.where(ops.arange(count()) < adapter().replica_id(), sizes, 0))
-    return ops.slice(values, (before,) + (0,) * (len(values.shape) - 1),
+    return ops.slice(values, (first_row(local_size),) + (0,) * (len(values.shape) - 1),
                      (local_size,) + tuple(values.shape[1:]))
 
 
@@ -121,71 +129,125 @@ def all_true(flag):
     return ops.equal(global_sum(ops.cast(ops.logical_not(flag), "int32")), 0)
 
 
-def batch_devices() -> int:
-    """How many devices the current ``keras.distribution`` splits the batch over
-    (``DataParallel``: all of its devices; ``ModelParallel``: its mesh's batch axis);
-    1 without one."""
-    distribution = keras.distribution.distribution()
-    if distribution is None:
-        return 1
-    layout = distribution.get_data_layout((1,))
-    axis = layout.axes[0]
-    names = () if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
-    mesh = layout.device_mesh
-    return math.prod(int(mesh.shape[list(mesh.axis_names).index(name)]) for name in names)
-
-
 def batch_shards(model=None) -> int:
     """How many parts ``fit()`` splits each batch into, each for one device or replica.
 
     The replicas of a ``tf.distribute`` strategy (:func:`count`) times the devices the
-    current ``keras.distribution`` shards the batch axis over (:func:`batch_devices`).
+    current ``keras.distribution`` shards the batch axis over
+    (:func:`~pergrad.distributed.layouts.batch_devices`).
     Keras needs every batch to divide evenly over them.
     """
-    return count(model) * batch_devices()
+    return count(model) * layouts.batch_devices()
 
 
-def data_parallel():
-    """``(mesh, batch axis name, devices on it)`` of a ``keras.distribution.DataParallel``
-    with several devices, else ``None``."""
-    distribution = keras.distribution.distribution()
-    if not isinstance(distribution, keras.distribution.DataParallel) or batch_devices() <= 1:
-        return None
-    return distribution.device_mesh, distribution.batch_dim_name, batch_devices()
+def refusal(wrapper, chunked: bool) -> str | None:
+    """Why ``wrapper`` (a ``PerExampleModel``) cannot train exactly on several replicas
+    that each run the step, or ``None`` (``chunked``: whether its rule takes the chunked
+    path)."""
+    if keras.backend.backend() != "tensorflow":
+        return "replicas that each run the train step are supported on TensorFlow only"
+    aggregator = wrapper.aggregator
+    reason = processes.replica_refusal(aggregator)  # several workers: one Python process each
+    if reason:
+        return reason
+    if aggregator.reads_units:
+        return (
+            f"{type(aggregator).__name__} clips each user's summed gradient, and a "
+            "replica's shard may hold part of a user's examples"
+        )
+    if aggregator.distribution == WHOLE_BATCH and chunked:
+        return (
+            f"with microbatch_size, {type(aggregator).__name__} takes the chunked "
+            "path, whose statistics would be those of one replica's shard; without "
+            "microbatch_size it takes the statistics path, which forms no B x P tensor"
+        )
+    if not (getattr(wrapper, "compiled", False) and wrapper.model.built):
+        return None  # checked again when the step is traced
+    if wrapper.per_example_problem().sum_reduction:
+        return (
+            "a 'sum'-reduced loss scales each example's loss by the batch size, which "
+            "differs between a replica's shard and the whole batch"
+        )
+    return None
 
 
-def _laid_out(tensor, axis, mesh, name):
-    spec = [None] * len(tensor.shape)
-    spec[axis] = name
-    return keras.distribution.distribute_tensor(tensor, keras.distribution.TensorLayout(spec, mesh))
+class Replicas(Collectives):
+    """The collectives of a step that each of several replicas runs on its shard, its rule
+    aggregating the shard (``LOCAL_MEAN``, ``LOCAL_SUM``): each replica returns its part of
+    the single-device result, and the optimizer sums the parts."""
+
+    part_sum = staticmethod(global_sum)  # the rule's sums and counts: the whole batch's
+
+    def __init__(self, fraction, divides: bool):
+        #: ``B_r / B`` where the step needs it (a mean's share, a loss scale), else ``None``.
+        self.fraction = fraction
+        #: This replica's share of a mean (``LOCAL_MEAN``), else ``None``.
+        self.share = fraction if divides else None
+
+    def first_example(self, batch_size):
+        return first_row(batch_size)
+
+    def engine_loss_scale(self, loss_scale):
+        # B_r / B of it, so that the backward pass's float16 values are those of one
+        # device (a replica's mean loss divides by B_r).
+        return None if loss_scale is None else loss_scale * self.fraction
+
+    def once(self, value):
+        return first_replica(value)
+
+    def check_masked_output(self) -> None:
+        raise ValueError(
+            "PerExampleModel cannot train a model with a masked output on several replicas: "
+            "Keras divides a masked loss by the unmasked steps of the whole batch, which a "
+            "replica's shard does not know. Give padding steps sample weight 0 instead of a "
+            "mask, or train on one replica."
+        )
+
+    def own_part(self, result, loss_scaled: bool) -> list:
+        if loss_scaled:
+            result = finite_everywhere(result)
+        if self.share is not None:  # this replica's share of the single-device result
+            result = [g * ops.cast(self.share, g.dtype) for g in result]
+        return result
+
+    def logged_loss(self, loss):
+        return None  # a replica's loss is not the batch's (Keras's 1 / R)
 
 
-def by_example(tensor):
-    """``tensor`` (examples first) split by example over a ``DataParallel``'s devices,
-    as Keras lays out the batch; ``tensor`` itself in any other setting."""
-    found = data_parallel()
-    if found is None or not tensor.shape or tensor.shape[0] is None or tensor.shape[0] % found[2]:
-        return tensor
-    return _laid_out(tensor, 0, found[0], found[1])
+class GatheredReplicas(Replicas):
+    """The collectives of a step that each of several replicas runs on its shard, its rule
+    running on the whole batch (``WHOLE_BATCH``): what the rule reads is all-gathered
+    (norms, each layer's ``A`` and ``D``, per-example gradients), each replica keeps its
+    own rows, its own coordinates or, on replica 0, the whole result."""
 
+    works_alone = False
+    part_sum = None  # every replica's rule saw the whole batch
 
-def spread_coordinates(gradients):
-    """``gradients`` (``(J, ...)`` rows of one variable) laid out over the devices of a
-    ``keras.distribution.DataParallel`` by coordinate instead of by example.
+    @property
+    def parts(self):
+        return count()
 
-    A coordinate rule compares every example's value of a coordinate: with the rows
-    split by example, XLA's partitioner brings all ``J`` rows to every device; split
-    by coordinate (the largest axis the device count divides), each device forms and
-    selects over its own coordinates only (XLA gathers the layers' input and
-    output-gradient rows it needs: docs/architecture.md, 'Communication per step').
-    Values are unchanged; any other setting returns ``gradients``.
-    """
-    found = data_parallel()
-    if found is None:
-        return gradients
-    mesh, name, devices = found
-    shape = tuple(gradients.shape)
-    axes = [k for k in range(1, len(shape)) if shape[k] and shape[k] % devices == 0]
-    if not axes:
-        return gradients
-    return _laid_out(gradients, max(axes, key=lambda k: shape[k]), mesh, name)
+    def whole_size(self, batch_size):
+        return global_size(batch_size)
+
+    def gather(self, value):
+        return gather(value)
+
+    def whole_batch(self, layers):
+        return layers.with_tensors(gather)
+
+    def own_rows(self, values, batch_size):
+        return local_rows(values, batch_size)
+
+    def owns(self, piece: int):
+        return owns(piece)
+
+    def all_true(self, flag):
+        return all_true(flag)
+
+    def apply_rule(self, aggregator, per_example) -> list:
+        if aggregator.group_count() == count():
+            # One group per replica: only the R groups' results are exchanged.
+            return [first_replica(g) for g in combine_groups(aggregator, per_example)]
+        per_example = [gather(g) for g in per_example]  # every replica runs the rule on the whole batch
+        return [first_replica(g) for g in aggregator(per_example, batch_term=False)]

@@ -25,7 +25,6 @@ from pergrad.aggregators.base import (
     stack_columns,
     zero_examples,
 )
-from pergrad.distributed import replicas
 from pergrad.engine.plan import is_tensor, leading_one
 from pergrad.layer_rules.base import (
     divide_rows,
@@ -134,11 +133,6 @@ class Layers:
         other.deltas = [tree.map_structure(apply, t) for t in self.deltas]
         other._materialized, other._ghosts = {}, {}
         return other
-
-    def gathered(self):
-        """These layers over every replica's examples: each call's ``A`` and ``D``
-        all-gathered, in replica order (``pergrad.distributed.replicas``)."""
-        return self.with_tensors(replicas.gather)
 
     def _values(self, call):
         return [self.values_of[id(v)] for v in call.variables]
