@@ -52,9 +52,7 @@ class _StepLimit:
         """The rule's ``update_allowed()``, read before the step counts itself, where Keras runs
         several steps without calling back (``steps_per_execution > 1``; between single
         steps ``PrivacyAccountant`` stops training itself); ``None`` otherwise."""
-        # Not on several TF replicas: the optimizer's all-reduce cannot run in a `cond`
-        # (PrivacyAccountant refuses a budget with steps_per_execution > 1 there).
-        if getattr(self, "steps_per_execution", 1) <= 1 or training.replicated(self):
+        if getattr(self, "steps_per_execution", 1) <= 1 or not training.may_skip_updates(self):
             return None
         return self.aggregator.update_allowed()
 

@@ -18,8 +18,8 @@ from pergrad.distributed.replicas import batch_shards
 from pergrad.engine.collectives import ONE_DEVICE, Collectives
 from pergrad.engine.paths import CHUNKED_PATH, engine_path
 
-__all__ = ["batch_shards", "check_fit", "check_replicas", "collectives", "refusal", "replicated",
-           "whole_batch_size"]
+__all__ = ["batch_shards", "check_fit", "check_replicas", "collectives", "may_skip_updates", "refusal",
+           "replicated", "whole_batch_size"]
 
 #: What runs several replicas of the train step, per backend (for error messages).
 _REPLICA_ENGINES = {
@@ -49,6 +49,13 @@ def collectives(wrapper, x, loss_scale) -> Collectives:
 def replicated(model) -> bool:
     """Whether several replicas each run ``model``'s train step (``tf.distribute``)."""
     return replicas.count(model) > 1
+
+
+def may_skip_updates(model) -> bool:
+    """Whether ``model``'s step may leave its optimizer update out (a ``cond``): not on
+    several replicas, whose optimizer's all-reduce cannot run in one
+    (``PrivacyAccountant`` refuses a budget with ``steps_per_execution > 1`` there)."""
+    return not replicated(model)
 
 
 def refusal(wrapper) -> str | None:
