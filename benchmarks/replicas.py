@@ -97,7 +97,7 @@ def formula(rule: str, replicas: int, backend: str) -> tuple[str, int]:
     Leading terms, float32 (4 bytes a value): the measured bytes add a few
     scalars (the loss, flags), ``O(B)`` vectors and integer indices and, on
     TensorFlow, the shapes each all-gather exchanges first (``R x rank``
-    int32). TensorFlow: what each of the three ways of ``pergrad.replicas``
+    int32). TensorFlow: what each of the three ways of ``pergrad.distributed.replicas``
     gathers (docs/). JAX: what XLA's partitioner inserts.
     """
     p = sum(i * o + o for i, o in LAYERS)
@@ -109,7 +109,7 @@ def formula(rule: str, replicas: int, backend: str) -> tuple[str, int]:
     if backend == "tensorflow":
         v = 2 * len(LAYERS)  # variables: a kernel and a bias per Dense layer
         a_d = ("4B·Σ(d_in+d_out) + 4P", 4 * b * rows + 4 * p)  # each layer's A and D rows
-        table = {  # the gradient and the shard size (pergrad.replicas.local_fraction)
+        table = {  # the gradient and the shard size (pergrad.distributed.replicas.local_fraction)
             "mean": ("4(P + 1)", 4 * (p + 1)),
             "automatic_clip": ("4(P + 1)", 4 * (p + 1)),
             "dp_gaussian": ("4(P + 1)", 4 * (p + 1)),
@@ -137,9 +137,9 @@ def formula(rule: str, replicas: int, backend: str) -> tuple[str, int]:
         "krum": ("4B·Σ(d_in+d_out) + 4B² + 4P", 4 * b * rows + 4 * b * b + 4 * p),
         # the A and D rows, then a B-vector per Weiszfeld iteration (T = max_iter)
         "geometric_median": ("4B·Σ(d_in+d_out) + 4TB + 4P", 4 * b * rows + 4 * t * b + 4 * p),
-        # coordinate rules (replicas.spread_coordinates: both kernels and the first bias
+        # coordinate rules (layouts.spread_coordinates: both kernels and the first bias
         # split over the d1 hidden units; the A and D rows kept by example,
-        # replicas.by_example): the input rows and the output-gradient rows all-gathered,
+        # layouts.by_example): the input rows and the output-gradient rows all-gathered,
         # the hidden rows (three tensors) all-to-all'd to each device's units, each
         # device's part of the result all-gathered; the last bias (d2 = 3 coordinates, R
         # does not divide them) stays by example: its B x d2 values all-reduced

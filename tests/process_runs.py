@@ -212,7 +212,7 @@ def recorded_draws(sampler, model, steps):
     import pergrad
 
     draws, rows = [], []
-    with sampler.split_for(model, pergrad.replicas.batch_shards(model)):
+    with sampler.split_for(model, pergrad.distributed.replicas.batch_shards(model)):
         for _ in range(steps):
             _, labels, weights = sampler[0]
             draws.append([int(v) for v in labels[weights > 0]])

@@ -687,7 +687,7 @@ def train(rule):
         for batch in shards:
             sizes += [int(t.shape[0]) for t in strategy.experimental_local_results(batch[0])]
             step(batch)
-    return problem.model.get_weights(), pergrad.replicas.count(model), sizes
+    return problem.model.get_weights(), pergrad.distributed.replicas.count(model), sizes
 
 def alone(rule):
     problem, model = build(rule)
@@ -768,13 +768,13 @@ RULES = {
     "two_level_4": lambda: aggregators.two_level(4),  # a median of medians
 }
 gathered = []  # the shapes every replica all-gathers
-original = pergrad.replicas.gather
+original = pergrad.distributed.replicas.gather
 
 def recording(value):
     gathered.append(value.shape[0])
     return original(value)
 
-pergrad.replicas.gather = recording
+pergrad.distributed.replicas.gather = recording
 
 def train(rule, strategy):
     with strategy.scope() if strategy else contextlib.nullcontext():

@@ -1,4 +1,4 @@
-"""The replica policy's helpers (``pergrad.replicas``) on one replica, as documented.
+"""The replica policy's helpers (``pergrad.distributed.replicas``, ``layouts``) on one replica, as documented.
 
 On one replica (no ``tf.distribute`` strategy, no ``keras.distribution``) every
 collective is the identity: a sum, a mean, a gather over the replicas is the value
@@ -12,12 +12,16 @@ Run once per backend: ``KERAS_BACKEND=jax pytest tests/test_replicas.py``.
 
 from __future__ import annotations
 
+import types
+
 import keras
 import numpy as np
 import pytest
 from keras import ops
 
-from pergrad import replicas
+import pergrad
+from pergrad.distributed import layouts, replicas, training
+from pergrad.engine.collectives import ONE_DEVICE
 
 VALUES = np.arange(12, dtype="float32").reshape(4, 3) - 5.0
 
@@ -28,8 +32,8 @@ def _numpy(value):
 
 def test_one_replica_without_a_strategy_or_a_distribution():
     assert replicas.count() == 1
-    assert replicas.batch_devices() == 1
-    assert replicas.data_parallel() is None
+    assert layouts.batch_devices() == 1
+    assert layouts.data_parallel() is None
 
 
 @pytest.mark.parametrize("local_size", [1, 7])
@@ -75,5 +79,12 @@ def test_finite_everywhere_passes_finite_gradients_and_makes_all_nan_otherwise()
 
 def test_layouts_are_unchanged_without_a_data_parallel_distribution():
     value = ops.convert_to_tensor(VALUES)
-    assert replicas.by_example(value) is value
-    assert replicas.spread_coordinates(value) is value
+    assert layouts.by_example(value) is value
+    assert layouts.spread_coordinates(value) is value
+
+
+def test_a_step_on_one_device_calls_no_collective():
+    """The train step's collectives on one device are the engine's identity object."""
+    model = types.SimpleNamespace(aggregator=pergrad.aggregators.get("median"))
+    assert training.collectives(model, ops.convert_to_tensor(VALUES), None) is ONE_DEVICE
+    assert not training.replicated(model) and training.whole_batch_size(model, VALUES) is None

@@ -205,21 +205,70 @@ def test_no_import_cycle_in_the_package():
 def test_the_engine_and_the_replicas_ask_rules_instead_of_importing_them():
     """Path choice and replica policy come from what rules declare (``aggregators.base``)."""
     graph = import_graph()
-    asking = [name for name in graph if name.startswith("pergrad.engine") or name == "pergrad.replicas"]
+    asking = [name for name in graph if name.startswith(("pergrad.engine", "pergrad.distributed"))]
     rules = ("pergrad.aggregators", "pergrad.privacy")
     concrete = {
         name: sorted(m for m in graph[name] if m.startswith(rules) and m != "pergrad.aggregators.base")
         for name in asking
     }
-    assert concrete == {name: [] for name in asking}
-    assert graph["pergrad.replicas"] <= {"pergrad.backend", "pergrad.tensors"}  # under the step
+    # (the hand-off's fit check asks privacy's accountant check, as PerExampleModel.fit did)
+    assert concrete == {name: [] for name in asking if name != "pergrad.distributed.training"} | {
+        "pergrad.distributed.training": ["pergrad.privacy.callbacks"]
+    }
+    assert graph["pergrad.distributed.replicas"] <= {  # under the step: no engine path, no model
+        "pergrad.aggregators.base", "pergrad.backend", "pergrad.distributed.layouts",
+        "pergrad.distributed.processes", "pergrad.engine.collectives", "pergrad.tensors",
+    }
+
+
+#: The multi-device modules that code outside ``pergrad.distributed`` may import: the one
+#: hand-off of the model, its trainers and its step, and the hosts' module that the
+#: samplers and the DP key ask (no step logic: it is below them).
+DISTRIBUTED_ENTRIES = {"pergrad.distributed.training", "pergrad.distributed.processes"}
+
+
+def test_multi_device_code_is_reached_through_one_hand_off_and_never_by_the_engine():
+    """The engine and the single-device step hold no replica logic: they call the methods of
+    the one collectives object they are handed (``pergrad.engine.collectives``: the identity
+    on one device), which ``pergrad.distributed`` subclasses. Nothing outside
+    ``distributed/`` imports the replica module or the layouts, and the engine imports
+    nothing from ``distributed/``."""
+    graph = import_graph()
+    outside = {name: sorted(m for m in imported if m.startswith("pergrad.distributed"))
+               for name, imported in graph.items() if not name.startswith("pergrad.distributed")}
+    assert {name: [m for m in found if m not in DISTRIBUTED_ENTRIES] for name, found in outside.items()} \
+        == {name: [] for name in outside}
+    engine = [name for name in outside if name.startswith("pergrad.engine")]
+    assert engine and {name: outside[name] for name in engine} == {name: [] for name in engine}
+    assert "pergrad.distributed.training" in graph["pergrad.step"]
+
+
+def _replica_calls() -> list[str]:
+    """``module: line`` of every call of a replica collective of the adapter (``replicas``,
+    ``replica_id``, ``all_gather``, ``all_reduce_sum``) outside ``distributed/`` and
+    ``backend/``."""
+    names = {"replicas", "replica_id", "all_gather", "all_reduce_sum"}
+    found = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        if path.relative_to(SOURCE).parts[0] in ("distributed", "backend"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in names:
+                found.append(f"{_module_name(path)}: {node.lineno}")
+    return found
+
+
+def test_only_distributed_calls_the_adapters_replica_collectives():
+    assert _replica_calls() == []
 
 
 def test_rules_leave_every_collective_to_the_distributed_layer():
     """``aggregators/`` and ``privacy/`` return local quantities (sums, counts, a noise
-    term): the engine, the step and the replicas module (every collective) are above them."""
+    term): the engine, the step and the multi-device modules (every collective) are above
+    them; the hosts' module (``processes``: the samplers' and the DP key's) is below."""
     graph = import_graph()
-    above = ("pergrad.engine", "pergrad.step", "pergrad.replicas", "pergrad.model", "pergrad.trainers")
+    above = ("pergrad.engine", "pergrad.step", "pergrad.distributed.replicas", "pergrad.distributed.layouts",
+             "pergrad.distributed.training", "pergrad.model", "pergrad.trainers")
     rules = [name for name in graph if name.startswith(("pergrad.aggregators", "pergrad.privacy"))]
     assert rules
     assert {name: sorted(m for m in graph[name] if m.startswith(above)) for name in rules} == {

@@ -365,7 +365,7 @@ class GradientDiagnostics(keras.callbacks.Callback):
     # -- which train function each step runs ---------------------------------------------
 
     def on_train_begin(self, logs=None):
-        from pergrad.replicas import count
+        from pergrad.distributed.training import replicated
 
         model = self.model
         if not hasattr(model, "set_diagnostics_request"):  # (pergrad.model imports this module)
@@ -374,7 +374,7 @@ class GradientDiagnostics(keras.callbacks.Callback):
                 f"the per-example statistics); got {type(model).__name__}. Wrap the model: "
                 "pergrad.PerExampleModel(model, 'mean')."
             )
-        if count(model) > 1:
+        if replicated(model):
             raise ValueError(
                 "GradientDiagnostics does not support several replicas yet: train on one device."
             )

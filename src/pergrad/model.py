@@ -10,22 +10,15 @@ import keras
 from keras import ops, tree
 
 from pergrad import aggregators as aggregators_module
-from pergrad import compat, processes, replicas, step, trainers
+from pergrad import compat, step, trainers
 from pergrad.aggregators.base import split_units
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
+from pergrad.distributed import training
 from pergrad.engine import PerExampleProblem, check_model, mean_reduced
 
 # JAX's stateless train_step(state, data) or TF's and torch's train_step(data).
 _TrainStep = trainers.for_backend(keras.backend.backend())
-
-#: What runs several replicas of the train step, per backend (for error messages).
-_REPLICA_ENGINES = {
-    "tensorflow": "a tf.distribute strategy",
-    "torch": "a torch.distributed process group (Keras's torch fit() does not "
-    "synchronize gradients across processes)",
-}
-
 
 @keras.saving.register_keras_serializable(package="pergrad")
 class PerExampleModel(_TrainStep, keras.Model):
@@ -146,25 +139,8 @@ class PerExampleModel(_TrainStep, keras.Model):
         if self.model.built:
             check_model(self.model, training=True)
         self._check_trainable_unchanged()
-        self._check_single_replica()
+        training.check_replicas(self)
         return super().make_train_function(force)
-
-    def _check_single_replica(self):
-        """Refuses a step that each of several replicas would run on its own part of
-        the batch (docs/architecture.md, 'Multi-device training')."""
-        count = replicas.count(self)
-        if count <= 1:
-            return
-        reason = step.replica_refusal(self)
-        if reason is None:  # exact on TF (pergrad.replicas)
-            return
-        engine = _REPLICA_ENGINES.get(keras.backend.backend(), "a distribution")
-        raise ValueError(
-            f"PerExampleModel cannot train under {engine} with {count} replicas: "
-            f"{reason}. Train on one device (or a single-replica strategy), or use the JAX "
-            "backend with keras.distribution.DataParallel, which keeps single-device results "
-            "exactly."
-        )
 
     def _trainable_flags(self):
         return [(layer, layer.trainable) for layer in compat.flatten_layers(self.model, include_self=True)]
@@ -311,21 +287,19 @@ class PerExampleModel(_TrainStep, keras.Model):
         self.per_example_problem().check_once(x, y)
         size = tree.flatten(x)[0].shape[0]
         minimum = self.aggregator.min_batch_size
-        several = minimum > 1 and replicas.count(self) > 1  # the rule sees the whole batch
+        # Several replicas' shards: the rule sees the whole batch, its size known as the step runs.
+        whole = training.whole_batch_size(self, x) if minimum > 1 else None
         message = (
             f"Aggregator {self.aggregator.name!r} needs batches of at least {minimum} "
             f"examples; got a batch of {{}}."
         )
-        if size is not None and size < minimum and not several:
+        if size is not None and size < minimum and whole is None:
             raise ValueError(message.format(size))
         # Where the size is known only when the step runs (TF, below): fit() turns the
         # run-time assertion that carries this message into a ValueError of one line.
         self.__dict__["_batch_size_message"] = message.format("fewer")
-        if several:
-            x = adapter().assert_at_least(
-                replicas.global_size(ops.shape(tree.flatten(x)[0])[0]), minimum,
-                message.format("fewer"), x,
-            )
+        if whole is not None:
+            x = adapter().assert_at_least(whole, minimum, message.format("fewer"), x)
         elif size is None and minimum > 1:
             # TF retraces fit()'s step with an unknown batch size once batches differ
             # (a smaller last batch): check when the step runs, and compute everything
@@ -370,12 +344,8 @@ class PerExampleModel(_TrainStep, keras.Model):
         elif "callbacks" in kwargs:
             kwargs["callbacks"] = diagnostics_first(kwargs["callbacks"])
         callbacks = args[3] if len(args) > 3 else kwargs.get("callbacks")
-        # Several processes (hosts): a DP fit needs one model and one Poisson sample.
-        processes.check_fit(self, isinstance(x, PoissonSampler))
-        if replicas.count(self) > 1:
-            from pergrad.privacy.callbacks import check_budget_on_replicas
-
-            check_budget_on_replicas(self, callbacks)
+        # Several hosts or replicas: a DP fit needs one model, one Poisson sample, ...
+        training.check_fit(self, isinstance(x, PoissonSampler), callbacks)
         if getattr(self.aggregator, "differentially_private", False):
             from pergrad.privacy.callbacks import check_dp_fit
 
@@ -393,7 +363,7 @@ class PerExampleModel(_TrainStep, keras.Model):
                 else:
                     kwargs["callbacks"] = x.with_step_callback(callbacks)
                 # On several devices: its one Poisson sample split over them, padded to divide.
-                with x.split_for(self, replicas.batch_shards(self)):
+                with x.split_for(self, training.batch_shards(self)):
                     return super().fit(x, y, *args, **kwargs)
             return super().fit(x, y, *args, **kwargs)
         except Exception as error:

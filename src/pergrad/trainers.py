@@ -13,9 +13,10 @@ from __future__ import annotations
 import keras
 from keras import ops, tree
 
-from pergrad import compat, replicas
+from pergrad import compat
 from pergrad.aggregators.base import split_units
 from pergrad.backend import adapter, optional_kernel
+from pergrad.distributed import training
 
 
 def update_mean(metric, value, sample_weight=None) -> None:
@@ -51,9 +52,7 @@ class _StepLimit:
         """The rule's ``update_allowed()``, read before the step counts itself, where Keras runs
         several steps without calling back (``steps_per_execution > 1``; between single
         steps ``PrivacyAccountant`` stops training itself); ``None`` otherwise."""
-        # Not on several TF replicas: the optimizer's all-reduce cannot run in a `cond`
-        # (PrivacyAccountant refuses a budget with steps_per_execution > 1 there).
-        if getattr(self, "steps_per_execution", 1) <= 1 or replicas.count(self) > 1:
+        if getattr(self, "steps_per_execution", 1) <= 1 or not training.may_skip_updates(self):
             return None
         return self.aggregator.update_allowed()
 
@@ -143,7 +142,7 @@ class StatefulTrainStep(_StepLimit):
 
     def _train_step(self, data):
         # Also here for custom loops (a replica context of `strategy.run`).
-        self._check_single_replica()
+        training.check_replicas(self)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x, units = split_units(x)  # the ids reach the rule only
         x = self._check_batch(x, y)

@@ -1,6 +1,6 @@
 """The sampler's parts on several processes, simulated in this process (every backend).
 
-``pergrad.processes`` is asked for the process count, this process's part and the shard
+``pergrad.distributed.processes`` is asked for the process count, this process's part and the shard
 offsets; here it answers as process ``p`` of 2 would, so that each process's batches can
 be computed one after the other and compared with one process's. The real two-process
 runs: tests/test_processes.py (JAX).
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pergrad
-from pergrad import processes
+from pergrad.distributed import processes
 from pergrad.privacy import PoissonSampler, UserSampler, dp_gaussian, max_batch_size_for
 
 SIZE, RATE = 60, 0.2
@@ -29,7 +29,7 @@ def model(**rule):
 
 
 def as_process(monkeypatch, process, shards=None):
-    """Makes ``pergrad.processes`` answer as process ``process`` of 2 (``shards``: the
+    """Makes ``pergrad.distributed.processes`` answer as process ``process`` of 2 (``shards``: the
     shard sizes, for a sampler built with ``dataset_size``)."""
     monkeypatch.setattr(processes, "count", lambda: 2)
     monkeypatch.setattr(processes, "index", lambda: process)

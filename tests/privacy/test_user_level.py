@@ -10,7 +10,8 @@ import pytest
 from keras import ops
 
 import pergrad
-from pergrad import privacy, step
+from pergrad import privacy
+from pergrad.distributed import training
 from pergrad.privacy import UserSampler, dp_gaussian, user_level_dp_gaussian
 
 # Units of every size 1..K, interleaved (a unit's examples need not be contiguous).
@@ -183,7 +184,7 @@ def test_the_accountant_must_guarantee_the_unit_the_rule_bounds():
 def test_per_layer_clipping_and_several_tf_replicas_are_refused():
     with pytest.raises(ValueError, match="per_layer"):
         privacy.UserLevelDPGaussian(CLIP, 1.0, per_layer=True)
-    reason = step.replica_refusal(compiled(user_level_dp_gaussian(CLIP, 0.0, expected_batch_size=1.0)))
+    reason = training.refusal(compiled(user_level_dp_gaussian(CLIP, 0.0, expected_batch_size=1.0)))
     assert reason is not None
     if keras.backend.backend() == "tensorflow":  # elsewhere every replicated step is refused
         assert "part of a user" in reason

@@ -32,7 +32,7 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
   part of the batch (a ``tf.distribute`` strategy's replicas in sync, a
   ``torch.distributed`` world size; 1 on JAX, whose ``keras.distribution``
   partitions one global program); ``PerExampleModel`` refuses more than 1
-  on JAX and torch (``pergrad.replicas`` makes TensorFlow's exact).
+  on JAX and torch (``pergrad.distributed.replicas`` makes TensorFlow's exact).
 - ``replica_id()``, ``all_reduce_sum(value)``, ``all_gather(value)``: this
   replica's index (an int where static), a sum over the replicas in sync, and
   their values concatenated along axis 0 in replica order (0, ``value`` and
@@ -42,7 +42,7 @@ Python, except torch's chunk loop of ``pergrad.engine.chunked``, over chunks):
 - ``process_count()``, ``process_index()`` (JAX, TF): the processes of the run
   (``jax.distributed``; TF: the ``TF_CONFIG`` cluster's workers); ``broadcast_from_first``,
   ``gather_processes`` and ``data_part(layout)`` (JAX only): host-level collectives over them
-  and the part of every global batch this process feeds (``pergrad.processes``).
+  and the part of every global batch this process feeds (``pergrad.distributed.processes``).
 - ``random_state()`` / ``set_random_state(state)``: the global generators that
   torch's unseeded random layers draw from (``None`` elsewhere), so that a
   chunk recomputed by ``pergrad.engine.chunked`` draws the same dropout masks.
@@ -141,7 +141,7 @@ OPTIONAL_KERNELS = {
         "``fn()``'s Python result, its ops traced in a graph of their own, for the dry runs "
         "a step's trace would otherwise keep (TensorFlow; see :func:`traced_apart`)."
     ),
-    # -- several processes (pergrad.processes)
+    # -- several processes (pergrad.distributed.processes)
     "process_count": "The processes of the run (JAX, TensorFlow; else 1 is assumed).",
     "process_index": "This process's index (JAX, TensorFlow; else 0 is assumed).",
     "broadcast_from_first": "Process 0's NumPy ``values`` on every process (JAX).",

@@ -41,6 +41,7 @@ from pergrad.aggregators.base import (
     zero_non_finite_examples,
 )
 from pergrad.backend import adapter, eager
+from pergrad.engine.collectives import ONE_DEVICE
 from pergrad.tensors import example_rows
 
 
@@ -142,6 +143,7 @@ def aggregate(
     sample_weight=None,
     microbatch_size: int = 1,
     loss_scale=None,
+    collectives=ONE_DEVICE,
 ):
     """``aggregator``'s result over the batch, computed ``microbatch_size`` examples at a time.
 
@@ -152,6 +154,7 @@ def aggregate(
         x, y, sample_weight: the batch.
         microbatch_size: examples per chunk.
         loss_scale: a ``LossScaleOptimizer``'s scale, or ``None``.
+        collectives: where the batch starts in the whole batch (each example's random stream).
 
     Returns:
         ``(result, aux)`` as :meth:`PerExampleProblem.compute` would give with
@@ -170,7 +173,8 @@ def aggregate(
         aggregator.check_batch_size(batch_size)
     padded = (batch_size + chunk - 1) // chunk * chunk
     batched, batch_size, non_trainable, example_loss_scale = problem.batched_inputs(
-        non_trainable_values, x, y, sample_weight, loss_scale, padded_size=padded
+        non_trainable_values, x, y, sample_weight, loss_scale, padded_size=padded,
+        collectives=collectives,
     )
     shared = {"non_trainable": non_trainable, "loss_scale": example_loss_scale}
     chunks = _Chunks(batched, batch_size, chunk)

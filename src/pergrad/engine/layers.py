@@ -14,7 +14,6 @@ import functools
 
 from keras import ops, tree
 
-from pergrad import replicas
 from pergrad.aggregators.base import (
     RowMap,
     example_squared_norms,
@@ -134,11 +133,6 @@ class Layers:
         other.deltas = [tree.map_structure(apply, t) for t in self.deltas]
         other._materialized, other._ghosts = {}, {}
         return other
-
-    def gathered(self):
-        """These layers over every replica's examples: each call's ``A`` and ``D``
-        all-gathered, in replica order (``pergrad.replicas``)."""
-        return self.with_tensors(replicas.gather)
 
     def _values(self, call):
         return [self.values_of[id(v)] for v in call.variables]

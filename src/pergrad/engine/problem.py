@@ -20,8 +20,9 @@ import keras
 import numpy as np
 from keras import ops, tree
 
-from pergrad import compat, replicas
+from pergrad import compat
 from pergrad.backend import adapter, traced_apart
+from pergrad.engine.collectives import ONE_DEVICE
 from pergrad.layers import batch_normalization_refusal
 from pergrad.tensors import scale_rows
 
@@ -355,8 +356,8 @@ class PerExampleProblem:
         with keras.StatelessScope(state_mapping=trackers):
             loss = self.compile_loss(y, y_pred, sample_weight)
         if not self.sum_reduction:
-            # Under a TF strategy with R replicas Keras's mean reductions carry 1 / R
-            # (the optimizer sums the replicas): L_i is the single-device loss.
+            # Under a TF strategy Keras's mean reductions carry 1 / R (the optimizer sums
+            # R parts): L_i is the single-device loss.
             loss = adapter().unscale_loss(loss)
         return loss, y_pred, masks, scope
 
@@ -404,6 +405,7 @@ class PerExampleProblem:
         sample_weight=None,
         microbatch_size: int | None = None,
         loss_scale=None,
+        collectives=ONE_DEVICE,
     ) -> tuple[list, dict[str, Any]]:
         """Per-example gradients and auxiliary outputs, all with a batch axis.
 
@@ -413,10 +415,11 @@ class PerExampleProblem:
         ``loss_scale`` (mixed precision), each loss is differentiated times that
         scale (divided by the batch size for mean reductions, as in the batched
         backward pass) and the gradients are divided by it again: callers get
-        unscaled gradients.
+        unscaled gradients. ``collectives``: where the batch starts in the whole batch
+        (:class:`~pergrad.engine.collectives.Collectives`; each example's random stream).
         """
         batched, batch_size, non_trainable_values, loss_scale = self.batched_inputs(
-            non_trainable_values, x, y, sample_weight, loss_scale
+            non_trainable_values, x, y, sample_weight, loss_scale, collectives=collectives
         )
         grads, aux = adapter().vectorized_grad(
             self.example_loss,
@@ -475,13 +478,15 @@ class PerExampleProblem:
         ]
 
     def batched_inputs(self, non_trainable_values, x, y=None, sample_weight=None, loss_scale=None,
-                       padded_size=None):
+                       padded_size=None, collectives=ONE_DEVICE):
         """The per-example inputs of :meth:`compute`: ``(batched, B, non_trainable, loss_scale)``.
 
         ``batched`` holds the inputs, targets, weights and each example's seed
         states; ``loss_scale`` is the one each example's loss is multiplied by.
         With ``padded_size``, the seed states are made for that many examples
-        (the first ``B`` are those of the batch), for a caller that pads it.
+        (the first ``B`` are those of the batch), for a caller that pads it. Example i's
+        stream is that of its position in the whole batch (``collectives.first_example``
+        + i), so that it does not depend on how the batch is split.
         """
         x, y = map_optional(ops.convert_to_tensor, x), map_optional(ops.convert_to_tensor, y)
         batch_size = ops.shape(tree.flatten(x)[0])[0]
@@ -504,20 +509,17 @@ class PerExampleProblem:
             loss_scale = ops.cast(loss_scale, "float32") / ops.cast(batch_size, "float32")
         if self.seed_positions:
             seeds_for = batch_size if padded_size is None else padded_size
-            several = replicas.count() > 1
-            if several:  # each example's stream from its position in the global batch
-                seeds_for = replicas.global_size(batch_size)
+            first = collectives.first_example(batch_size)
             batched["seeds"] = [
-                self._example_seeds(non_trainable_values[p], seeds_for)
+                self._example_seeds(non_trainable_values[p], seeds_for, first)
                 for p in self.seed_positions
             ]
-            if several:
-                batched["seeds"] = [replicas.local_rows(s, batch_size) for s in batched["seeds"]]
         return batched, batch_size, non_trainable_values, loss_scale
 
     @staticmethod
-    def _example_seeds(state, batch_size):
-        offsets = ops.cast(ops.arange(1, batch_size + 1, dtype="int32") * _SEED_STRIDE, state.dtype)
+    def _example_seeds(state, batch_size, first=0):
+        positions = ops.arange(first + 1, first + batch_size + 1, dtype="int32")
+        offsets = ops.cast(positions * _SEED_STRIDE, state.dtype)
         first = state[0] + offsets
         second = ops.broadcast_to(state[1], ops.shape(first))
         return ops.stack([first, second], axis=1)

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from keras import ops
 
-from pergrad import compat, replicas
+from pergrad import compat
 from pergrad.aggregators.base import LOCAL_SUM, ExampleStatistics
 from pergrad.backend import adapter
 from pergrad.engine.capture import capture, grad_with_aux, has_convolutions, weighted_losses
+from pergrad.engine.collectives import ONE_DEVICE
 from pergrad.engine.layers import Layers
 from pergrad.engine.materialized import per_example_gradients
 from pergrad.engine.plan import Unsupported, cached_plan
@@ -186,11 +187,12 @@ def _layers(problem, plan, captured, deltas, trainable_values, non_trainable, in
     return Layers(plan, captured, deltas, list(trainable_values), trainable, inverse, whole_batch, context)
 
 
-def prepare(problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale):
+def prepare(problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale,
+            collectives=ONE_DEVICE):
     """``(batched, B, non_trainable, shared, inverse loss scale)`` of a batch, the batch
     size checked against the rule's minimum where it is static."""
     batched, batch_size, non_trainable, example_loss_scale = problem.batched_inputs(
-        non_trainable_values, x, y, sample_weight, loss_scale
+        non_trainable_values, x, y, sample_weight, loss_scale, collectives=collectives
     )
     if isinstance(batch_size, int):
         aggregator.check_batch_size(batch_size)
@@ -208,22 +210,23 @@ def _whole_batch_plan(problem, trainable_values, batched, shared):
 
 
 def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=None,
-              sample_weight=None, loss_scale=None, gathered=False, keep_layers=False):
+              sample_weight=None, loss_scale=None, collectives=ONE_DEVICE, keep_layers=False):
     """A statistics rule's result over the batch, without per-example gradients of the model.
 
     Args and returns as :func:`pergrad.engine.chunked.aggregate`: ``(result, aux)``,
     ``result`` aligned with the trainable variables (unscaled), ``aux`` with each
     example's ``loss``, ``y_pred``, ``mask`` (masked outputs) and advanced ``seeds``.
-    With ``gathered`` (a replica of several, ``pergrad.replicas``), the weights come
-    from the statistics of the whole batch (norms all-gathered; for a Gram rule, each
-    layer's ``A`` and ``D``) and ``result`` is this replica's examples' part of the sum.
+    ``collectives`` (:class:`~pergrad.engine.collectives.Collectives`): the weights come
+    from the statistics of the batch the rule sees (``gather``: the norms; for a Gram
+    rule, ``whole_batch``: each layer's ``A`` and ``D``) and ``result`` is the sum over
+    this batch's examples (``own_rows``).
     With ``keep_layers``, ``aux["layers"]`` holds the batch's
     :class:`~pergrad.engine.layers.Layers` where the rule's pass made them (a rule that
     reads statistics; ``mean`` and ``sum`` where one batched pass captures every call).
     Raises :class:`Unsupported` when the model needs the materialized path.
     """
     batched, batch_size, non_trainable, shared, inverse = prepare(
-        problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale
+        problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale, collectives
     )
     variables = compat.trainable_variables(problem.model)
     # Every example weighs the same (reads_statistics): Keras's own batch gradient.
@@ -232,14 +235,10 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         return _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, batched,
                                     loss_scale, batch_size, plan)
 
-    def local(weights):
-        return replicas.local_rows(weights, batch_size) if gathered else weights
-
     if not aggregator.reads_statistics:
-        rows = replicas.global_size(batch_size) if gathered else batch_size
-        stats = ExampleStatistics(ops.zeros((rows, len(variables)), "float32"))
-        grads, aux = _direct(problem, local(aggregator.example_weights(stats)), trainable_values,
-                             batched, shared, batch_size)
+        stats = ExampleStatistics(ops.zeros((collectives.whole_size(batch_size), len(variables)), "float32"))
+        weights = collectives.own_rows(aggregator.example_weights(stats), batch_size)
+        grads, aux = _direct(problem, weights, trainable_values, batched, shared, batch_size)
         if inverse is not None:
             grads = [g * ops.cast(inverse, g.dtype) for g in grads]
         result = [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
@@ -254,13 +253,11 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         norms = ops.where(keep[:, None], norms, ops.zeros_like(norms))
         if scale is not None:
             scale = ops.where(keep[:, None], scale, ops.ones_like(scale))
-    whole = layers.gathered() if gathered and aggregator.needs_gram else layers
-    if gathered:
-        norms, scale = replicas.gather(norms), map_optional(replicas.gather, scale)
-    gram = whole.gram(ops.shape(norms)[0]) if aggregator.needs_gram else None
+    norms, scale = collectives.gather(norms), map_optional(collectives.gather, scale)
+    gram = collectives.whole_batch(layers).gram(ops.shape(norms)[0]) if aggregator.needs_gram else None
     stats = ExampleStatistics(norms, gram, scale=scale)
     weights = ops.stop_gradient(aggregator.example_weights(stats))
-    result = layers.weighted_sums(local(weights), variables)
+    result = layers.weighted_sums(collectives.own_rows(weights, batch_size), variables)
     out = finish_aux(problem, aux, non_trainable)
     if keep_layers:
         out["layers"] = layers

@@ -24,10 +24,10 @@ import math
 
 from keras import ops
 
-from pergrad import replicas
 from pergrad.aggregators.base import COORDINATE, ExampleStatistics
 from pergrad.backend import eager, optional_kernel
 from pergrad.engine import statistics
+from pergrad.engine.collectives import ONE_DEVICE
 from pergrad.layer_rules.dense import OuterRows, outer_rows
 
 
@@ -94,7 +94,7 @@ def supports(aggregator) -> bool:
 
 
 def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=None,
-              sample_weight=None, loss_scale=None, microbatch_size=None, gathered=False):
+              sample_weight=None, loss_scale=None, microbatch_size=None, collectives=ONE_DEVICE):
     """A coordinate rule's result over the batch, one variable at a time.
 
     With ``microbatch_size`` ``m`` and a coordinate-wise final rule (median, trimmed
@@ -104,34 +104,28 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
 
     Returns ``(result, aux)`` as :func:`pergrad.engine.statistics.aggregate`, with
     ``aux["finite"]``: whether every per-example gradient was finite (the step
-    makes the update NaN otherwise, as on the materialized path). With ``gathered``
-    (a replica of several, ``pergrad.replicas``), each layer's ``A`` and ``D`` are
-    all-gathered, every replica forms the whole batch's rows but aggregates only its
-    own parts of the variables (zeros elsewhere): the replicas' sum is the result.
+    makes the update NaN otherwise, as on the materialized path). ``collectives``
+    (:class:`~pergrad.engine.collectives.Collectives`): each layer's ``A`` and ``D`` over
+    the batch the rule sees (``whole_batch``), of which this device aggregates its own
+    parts of the variables (``owns``; zeros elsewhere): the devices' sum is the result.
     Raises
     :class:`~pergrad.engine.statistics.Unsupported` when the model needs the
     materialized path.
     """
     steps, final = plan(aggregator)
     batched, batch_size, non_trainable, shared, inverse = statistics.prepare(
-        problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale
+        problem, aggregator, non_trainable_values, x, y, sample_weight, loss_scale, collectives
     )
     variables = problem.model.trainable_variables
     layers, aux = statistics.layers_of(problem, trainable_values, batched, shared, batch_size, inverse)
     pieces = 1
     if microbatch_size is not None and final.coordinatewise and isinstance(batch_size, int):
         pieces = -(-batch_size // microbatch_size)
-    eager = microbatch_size is None and final.coordinatewise
-    eager = eager and not gathered and replicas.data_parallel() is None
-    if replicas.data_parallel() is not None:
-        # Each example's A and D rows stay where the model's own pass left them, so that
-        # the coordinate layout below does not propagate into the model's pass (which
-        # would split its matmuls differently from one device: other float16 roundings).
-        layers = layers.with_tensors(replicas.by_example)
-    if gathered:
-        layers, batch_size = layers.gathered(), replicas.global_size(batch_size)
-        if final.coordinatewise:  # a Dense kernel in one part per replica
-            pieces = max(pieces, replicas.count())
+    eager = microbatch_size is None and final.coordinatewise and collectives.works_alone
+    layers = collectives.whole_batch(collectives.by_example(layers))
+    batch_size = collectives.whole_size(batch_size)
+    if final.coordinatewise:  # a Dense kernel in at least one part per device
+        pieces = max(pieces, collectives.parts)
     finite = []
     stats, rows, size = None, None, batch_size
     if any(step.map_reads_statistics for step in steps):
@@ -154,34 +148,32 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     # A 2-D input's Dense kernel rows as factors: torch selects over them a block at a time
     # (the products formed in cache, straight into the sort's layout; with microbatch_size
     # too: less memory than its blocks).
-    factored = not gathered and replicas.data_parallel() is None and _takes_factors(final)
+    factored = collectives.works_alone and _takes_factors(final)
     with outer_rows(factored):
         for piece, (k, gradients) in enumerate(layers.mapped(rows, variables, size, pieces)):
-            _aggregate_part(final, variables, piece, k, gradients, gathered, covered, finite, parts)
+            _aggregate_part(final, variables, piece, k, gradients, collectives, covered, finite, parts)
     result = [p[0] if len(p) == 1 else ops.concatenate(p, axis=0) for p in parts]
     aux = statistics.finish_aux(problem, aux, non_trainable)
-    aux["finite"] = ops.all(ops.stack(finite))
-    if gathered:
-        aux["finite"] = replicas.all_true(aux["finite"])
+    aux["finite"] = collectives.all_true(ops.all(ops.stack(finite)))
     return result, aux
 
 
-def _aggregate_part(final, variables, piece, k, gradients, gathered, covered, finite, parts):
+def _aggregate_part(final, variables, piece, k, gradients, collectives, covered, finite, parts):
     """Aggregates one part of variable ``k``'s rows into ``parts[k]`` (its finiteness into
     ``finite`` where the layers' checks do not cover it)."""
     dtype = variables[k].dtype
-    if isinstance(gradients, OuterRows):  # (only without replicas)
+    if isinstance(gradients, OuterRows):  # (only where this device works alone)
         if k not in covered:
             finite.append(gradients.all_finite())
         parts[k].append(ops.cast(final.aggregate_variable(gradients), dtype))
         return
-    mine = replicas.owns(piece) if gathered else True
-    if mine is False:  # another replica's part
+    mine = collectives.owns(piece)
+    if mine is False:  # another device's part
         parts[k].append(ops.zeros(tuple(gradients.shape[1:]), dtype))
         return
     if k not in covered:
         finite.append(ops.all(ops.isfinite(gradients)))
-    value = ops.cast(final.aggregate_variable(replicas.spread_coordinates(gradients)), dtype)
+    value = ops.cast(final.aggregate_variable(collectives.spread_coordinates(gradients)), dtype)
     if mine is not True:
         value = ops.where(mine, value, ops.zeros_like(value))
     parts[k].append(value)

@@ -198,7 +198,7 @@ def _accountants(callbacks) -> list:
 def check_budget_on_replicas(model, callbacks=None) -> None:
     """Raises if a :class:`PrivacyAccountant` with ``max_epsilon`` among ``callbacks`` would
     have to stop ``model``, which trains on several replicas that each run the train step
-    (``PerExampleModel.fit`` asks ``pergrad.replicas``), inside a group of
+    (``pergrad.distributed.training.check_fit`` asks), inside a group of
     ``steps_per_execution`` steps: a ``tf.distribute`` train step cannot skip the
     optimizer's all-reduce."""
     grouped = getattr(model, "steps_per_execution", 1) > 1

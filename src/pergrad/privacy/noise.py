@@ -35,8 +35,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from pergrad import processes
 from pergrad.backend import optional_kernel
+from pergrad.distributed import processes
 
 #: 32-bit words in a key: 256 bits (the two 128-bit halves ``K_a``, ``K_b``).
 KEY_WORDS = 8
@@ -59,7 +59,7 @@ _ALIGN = 16
 def key_words(seed: int | None, spawn: int) -> np.ndarray:
     """``KEY_WORDS`` random 32-bit words as int32 bit patterns: from :mod:`secrets` with
     ``seed=None`` (on several JAX processes drawn on process 0 and broadcast:
-    :func:`pergrad.processes.secret_words`), else derived from ``(seed, spawn)``
+    :func:`pergrad.distributed.processes.secret_words`), else derived from ``(seed, spawn)``
     (``numpy.random.SeedSequence``)."""
     if seed is None:
         words = processes.secret_words(KEY_WORDS)

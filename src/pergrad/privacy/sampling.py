@@ -49,7 +49,7 @@ sample of the whole dataset split over the replicas is distributed exactly as
 independent Poisson samples of each replica's shard at the same rate ``q``, so
 the accounting at the global ``q`` holds unchanged, and every step counts once.
 During such a ``fit`` the sampler pads its batches to multiples of the
-number of parts (``pergrad.replicas.batch_shards``: the bucket width and ``max_batch_size``
+number of parts (``pergrad.distributed.replicas.batch_shards``: the bucket width and ``max_batch_size``
 rounded up to one), which changes nothing for rules that
 ignore padding (``dp_gaussian`` with ``expected_batch_size``, ``sum``); other
 rules divide by the padded size, so for them a ``max_batch_size`` that does not
@@ -58,7 +58,7 @@ divide is refused with the value to pass instead.
 **Several hosts.** On N JAX processes (``keras.distribution.initialize``) the global
 batch of step ``t`` is still one Poisson sample of the whole data set, a pure function
 of (seed, ``t``) that does not depend on N, and each process yields its part of it
-(:mod:`pergrad.processes`; docs/multi-device.md, 'Several hosts'). Every process holding
+(:mod:`pergrad.distributed.processes`; docs/multi-device.md, 'Several hosts'). Every process holding
 the whole data set: all draw the same sample and each yields its contiguous share, padded
 to ``padded_size / N`` rows. Each holding a disjoint shard (``dataset_size=`` the whole
 set's size): example ``j`` of the whole set is included when the ``j``-th uniform of the
@@ -79,8 +79,8 @@ import keras
 import numpy as np
 from keras import tree
 
-from pergrad import processes
 from pergrad.aggregators.base import LOCAL_SUM, WHOLE_BATCH
+from pergrad.distributed import processes
 from pergrad.privacy.dp_sgd import steps_taken
 
 
@@ -292,7 +292,7 @@ class PoissonSampler(keras.utils.PyDataset):
         self._multiple = 1  # set by `split_for` during a fit on several devices
         self._buckets = True  # `split_for`: False for a rule that counts the padding rows
         # Several processes: where this shard starts in the whole data set, and the
-        # processes' largest max_batch_size (pergrad.processes.join_sampler).
+        # processes' largest max_batch_size (pergrad.distributed.processes.join_sampler).
         self._processes = processes.count()
         self._sharded = dataset_size is not None and self._processes > 1
         self._offset, self._largest = 0, self.max_batch_size
@@ -336,7 +336,7 @@ class PoissonSampler(keras.utils.PyDataset):
     def split_for(self, model, shards: int):
         """Pads batches for ``model``'s devices and rule during a ``fit`` (``PerExampleModel.fit``
         uses it): to multiples of ``shards``, the parts ``fit()`` splits each batch into
-        (``pergrad.replicas.batch_shards``), and to :attr:`batch_size` for a rule that
+        (``pergrad.distributed.replicas.batch_shards``), and to :attr:`batch_size` for a rule that
         counts the padding rows. On several processes, each process yields its part
         (module docstring, 'Several hosts').
 
@@ -370,7 +370,7 @@ class PoissonSampler(keras.utils.PyDataset):
 
     def _process_part(self, aggregator, sums: bool) -> tuple[int, int]:
         """``(part, parts)`` of every global batch this process yields during a ``fit``
-        (:func:`pergrad.processes.data_part`), after the checks that need the fit."""
+        (:func:`pergrad.distributed.processes.data_part`), after the checks that need the fit."""
         now = processes.count()
         if now != self._processes:
             raise ValueError(
@@ -475,7 +475,7 @@ class PoissonSampler(keras.utils.PyDataset):
         """``(examples, rows)``: this process's examples of the draw ``indices`` and the rows
         of its part of the batch (padding after them). One process: all of them, in
         :meth:`padded_size` rows. Several, each holding the whole data set: its contiguous
-        share of the one global sample (:func:`pergrad.processes.part_of_sample`), in
+        share of the one global sample (:func:`pergrad.distributed.processes.part_of_sample`), in
         ``padded_size / parts`` rows. Several, each holding a shard: its shard's draw, in as
         many rows as every other process's part."""
         if self._shard_rows is not None:
@@ -490,7 +490,7 @@ class PoissonSampler(keras.utils.PyDataset):
 
 
 def _secret_entropy() -> int:
-    """128 secret bits, the same on every process (:func:`pergrad.processes.secret_words`)."""
+    """128 secret bits, the same on every process (:func:`pergrad.distributed.processes.secret_words`)."""
     return int.from_bytes(processes.secret_words(4).tobytes(), "little")
 
 

@@ -203,7 +203,7 @@ def check_fit(model, sampled: bool) -> None:
 
 def replica_refusal(aggregator) -> str | None:
     """Why ``aggregator`` cannot train exactly on the replicas of several TensorFlow workers
-    (``pergrad.step.replica_refusal`` asks), or ``None``.
+    (``pergrad.distributed.replicas.refusal`` asks), or ``None``.
 
     ``MultiWorkerMirroredStrategy`` runs one Python process per worker, each with its own
     copy of the rule. A DP rule's secret key is then each worker's own: the noise of the
