@@ -27,6 +27,7 @@ from pergrad.aggregators.base import (
     UNIT_IDS,
     UNIT_INPUTS,
     WHOLE_BATCH,
+    Aggregation,
     check_result,
     zero_non_finite_examples,
 )
@@ -161,22 +162,22 @@ def replica_plan(wrapper, x) -> ReplicaPlan:
 
 
 def run_engine(wrapper, problem, plan: ReplicaPlan, trainable_values, non_trainable_values, x, y,
-               sample_weight):
-    """``(result, per_example, aux)``: the engine path's result (``None`` on the materialized
-    path) or the per-example gradients (``None`` on the others; a DP rule's non-finite
-    examples zeroed), and the batch's ``aux`` (``y_pred``, ``seeds``, ``mask``, ...);
-    ``problem``: the wrapper's (``wrapper.per_example_problem()``, derived once a step)."""
+               sample_weight, units=None):
+    """``(result, per_example, aux)``: the engine path's result (the rule's
+    :class:`~pergrad.aggregators.base.Aggregation`; ``None`` on the materialized path) or
+    the per-example gradients (``None`` on the others; a DP rule's non-finite examples
+    zeroed), and the batch's ``aux`` (``y_pred``, ``seeds``, ``mask``, ...); ``problem``:
+    the wrapper's (``wrapper.per_example_problem()``, derived once a step); ``units``: the
+    batch's unit ids, for a rule that reads them."""
     aggregator = wrapper.aggregator
     path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
-    aggregator.pop_batch_term()  # none left over from a traced step that raised
-    aggregator.pop_batch_totals()
     inputs = (problem, aggregator, trainable_values, non_trainable_values, x, y, sample_weight)
 
     def on_statistics_path():
         if chunked.supports(aggregator):
             result, aux = statistics.aggregate(
                 *inputs, loss_scale=plan.engine_scale, gathered=plan.gathered,
-                keep_layers=wrapper.diagnostics_request() is not None,
+                keep_layers=wrapper.diagnostics_request() is not None, units=units,
             )
         else:
             result, aux = streaming.aggregate(
@@ -211,7 +212,8 @@ def run_engine(wrapper, problem, plan: ReplicaPlan, trainable_values, non_traina
     if path == CHUNKED_PATH:
         # Accumulated chunk by chunk: no (B, ...) per-example tensor exists. A DP
         # rule's non-finite examples are zeroed in every chunk.
-        result, aux = chunked.aggregate(*inputs, wrapper.microbatch_size, loss_scale=plan.engine_scale)
+        result, aux = chunked.aggregate(*inputs, wrapper.microbatch_size, loss_scale=plan.engine_scale,
+                                        units=units)
         return result, None, aux
     return on_materialized_path()
 
@@ -235,35 +237,30 @@ def check_output_mask(wrapper, problem, aux) -> None:
         )
 
 
-def apply_rule(wrapper, plan: ReplicaPlan, per_example) -> list:
-    """The rule on the per-example gradients, as ``plan`` says; on several replicas the
-    whole batch's result is counted once (replica 0's), its batch term left to
-    :func:`combine_replicas`."""
+def apply_rule(wrapper, plan: ReplicaPlan, per_example, units=None) -> Aggregation:
+    """The rule's :class:`~pergrad.aggregators.base.Aggregation` of the per-example
+    gradients, as ``plan`` says; on several replicas the whole batch's result is counted
+    once (replica 0's), its batch term left to :func:`combine_replicas`."""
     aggregator = wrapper.aggregator
     if plan.gathered and aggregator.group_count() == replicas.count(wrapper):
         # One group per replica: only the R groups' results are exchanged.
-        return [replicas.first_replica(g) for g in replicas.combine_groups(aggregator, per_example)]
+        outcome = Aggregation.of(replicas.combine_groups(aggregator, per_example))
+        return outcome.with_gradients([replicas.first_replica(g) for g in outcome.gradients])
     if plan.gathered:  # every replica runs the rule on the whole batch
         per_example = [replicas.gather(g) for g in per_example]
-        return [replicas.first_replica(g) for g in aggregator(per_example, batch_term=False)]
-    return aggregator(per_example, batch_term=False)
+        outcome = aggregator.aggregation(per_example)
+        return outcome.with_gradients([replicas.first_replica(g) for g in outcome.gradients])
+    return aggregator.aggregation(per_example, units=units)
 
 
-def combine_replicas(wrapper, plan: ReplicaPlan, result) -> list:
-    """``result`` with the rule's batch term (DP noise) added once over the replicas, its
+def combine_replicas(wrapper, plan: ReplicaPlan, outcome: Aggregation) -> list:
+    """The rule's result with its batch term (DP noise) added once over the replicas, its
     state updated from its batch totals, and its diagnostics kept for the logs, over the
     whole batch: a rule that aggregated its shard reports sums and counts, which are summed
     over the replicas."""
-    aggregator = wrapper.aggregator
-    term = aggregator.pop_batch_term()
-    if term is not None:  # on replica 0 only: the replicas' sum holds it once
-        result = [g + replicas.first_replica(t) for g, t in zip(result, term)]
     local = plan.several and not plan.gathered
-    totals = aggregator.pop_batch_totals()
-    if totals is not None:  # the same totals, hence the same state, on every replica
-        sums, update = totals
-        update(replicas.global_sum(sums) if local else sums)
-    wrapper.keep_reports(aggregator.pop_reports(replicas.global_sum) if local else aggregator.pop_reports())
+    result, reports = outcome.finish(replicas.global_sum if local else None, replicas.first_replica)
+    wrapper.keep_reports(reports)
     return result
 
 
@@ -321,18 +318,12 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     check_units(aggregator, units)
     problem = wrapper.per_example_problem()
     plan = replica_plan(wrapper, x)
-    if units is not None:  # read by the rule's weights, on whichever path
-        aggregator.set_units(units)
-    try:
-        result, per_example, aux = run_engine(
-            wrapper, problem, plan, trainable_values, non_trainable_values, x, y, sample_weight
-        )
-        check_output_mask(wrapper, problem, aux)
-        if result is None:
-            result = apply_rule(wrapper, plan, per_example)
-    finally:
-        if units is not None:
-            aggregator.pop_units()
+    result, per_example, aux = run_engine(
+        wrapper, problem, plan, trainable_values, non_trainable_values, x, y, sample_weight, units
+    )
+    check_output_mask(wrapper, problem, aux)
+    if result is None:
+        result = apply_rule(wrapper, plan, per_example, units)
     result = combine_replicas(wrapper, plan, result)
     result = post_process(wrapper, problem, plan, result, per_example, aux, trainable_values)
     request = wrapper.diagnostics_request()

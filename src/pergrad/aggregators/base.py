@@ -34,8 +34,8 @@ saved by ``model.save()`` and restored by ``keras.models.load_model()``.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import keras
 from keras import ops
@@ -76,9 +76,12 @@ __all__ = [
     "UNIT_IDS",
     "UNIT_INPUTS",
     "WHOLE_BATCH",
+    "Aggregation",
     "Aggregator",
+    "BatchTotals",
     "CoordinateAggregator",
     "ExampleStatistics",
+    "MeanOf",
     "RowMap",
     "RowMapStep",
     "ScaledMean",
@@ -92,6 +95,7 @@ __all__ = [
     "finite_examples",
     "overflow_safe",
     "protocol_form",
+    "report_values",
     "row_scales",
     "row_squared_norms",
     "scale_examples",
@@ -170,20 +174,158 @@ def takes_outer_rows(method):
     return method
 
 
+class MeanOf(NamedTuple):
+    """A diagnostic that is a mean over the batch's examples, ``total / count`` (0 for no
+    example), reported as its sum and count: where each replica aggregates its own shard,
+    the train step sums both over the replicas before dividing, so that the value describes
+    the whole batch."""
+
+    total: object
+    count: object
+
+
+class BatchTotals(NamedTuple):
+    """Sums over the examples a call aggregated, and how the rule's state follows from their
+    totals over the whole batch (adaptive clipping's count): ``update(totals)`` assigns the
+    state and returns the diagnostics it makes (a dict, perhaps empty). On one device
+    ``update(sums)``; where each replica aggregates its shard, the train step calls it with
+    the sums added over the replicas, so that every replica updates alike."""
+
+    sums: object
+    update: Callable
+
+
+def report_values(reports: dict, total=None) -> dict:
+    """The logged value of each report: a :class:`MeanOf` divided out, after ``total`` (a
+    function that sums a tensor over the replicas whose shards the rule aggregated on its
+    own; ``None``: this call's own values) is applied once to all the sums and counts."""
+    counted = [name for name, value in reports.items() if isinstance(value, MeanOf)]
+    if counted and total is not None:
+        sums = total(ops.stack([ops.cast(x, "float32") for name in counted for x in reports[name]]))
+        totals = {name: MeanOf(sums[2 * k], sums[2 * k + 1]) for k, name in enumerate(counted)}
+        reports = {**reports, **totals}
+
+    def mean(value, count):
+        if isinstance(count, int):  # (static: no maximum op)
+            return cast(value, "float32") / float(max(count, 1))
+        return value / ops.maximum(ops.cast(count, "float32"), 1.0)
+
+    return {name: mean(*value) if isinstance(value, MeanOf) else value for name, value in reports.items()}
+
+
+class Aggregation:
+    """What a rule returns for a batch: the result and what the batch does with it once.
+
+    ``aggregate`` (and a statistics rule's ``finalize``, a step's ``preprocess``) return
+    either the result alone (a list, one tensor per variable) or an ``Aggregation`` of it;
+    nothing is set on the rule for the train step to collect.
+
+    Attributes:
+        gradients: the result, one tensor per variable (without ``batch_term``).
+        reports: diagnostics by name (each one of the rule's ``diagnostics``): a scalar,
+            or a :class:`MeanOf` (a mean over the examples: its sum and count).
+        batch_term: a part of the result the batch holds once however its examples are
+            split (DP noise), aligned with ``gradients``, or ``None``: calling the rule
+            adds it; on several replicas whose results are summed the train step adds it
+            on replica 0 only.
+        batch_totals: :class:`BatchTotals` (state that follows from the whole batch's
+            sums), or ``None``.
+    """
+
+    __slots__ = ("gradients", "reports", "batch_term", "batch_totals")
+
+    def __init__(self, gradients, reports: dict | None = None, batch_term: list | None = None,
+                 batch_totals: BatchTotals | None = None):
+        self.gradients = gradients
+        self.reports = dict(reports or {})
+        self.batch_term = batch_term
+        self.batch_totals = batch_totals
+
+    @classmethod
+    def of(cls, value) -> Aggregation:
+        """``value`` if it is an ``Aggregation``, else the aggregation of that result alone."""
+        return value if isinstance(value, Aggregation) else cls(value)
+
+    def with_gradients(self, gradients) -> Aggregation:
+        """This aggregation with ``gradients`` as its result."""
+        return Aggregation(gradients, self.reports, self.batch_term, self.batch_totals)
+
+    def finish(self, total=None, once=None) -> tuple[list, dict]:
+        """``(gradients, reports)`` of the batch: the batch term added (through ``once``,
+        which keeps it on one replica of several), the state updated from the batch totals
+        (their sums through ``total``, which adds them over the replicas) and the
+        diagnostics' logged values (:func:`report_values`). Without arguments: one call's."""
+        result, reports = self.gradients, dict(self.reports)
+        if self.batch_term is not None:
+            once = once or (lambda value: value)
+            result = [g + once(t) for g, t in zip(result, self.batch_term)]
+        if self.batch_totals is not None:  # the same totals, hence the same state, everywhere
+            sums, update = self.batch_totals
+            reports.update(update(sums if total is None else total(sums)) or {})
+        return result, report_values(reports, total)
+
+
 @serializable
 class Aggregator(keras.layers.Layer):
-    """Base class: ``aggregate(gradients) -> list`` of the variables' shapes (kind arbitrary).
+    """Base class of the rules: per-example gradients in, one gradient out (kind arbitrary).
 
-    A subclass implements :meth:`aggregate` (or derives from a protocol below that
-    implements it from its parts) and may set the class attributes below. Rules that
-    report what they did (fraction clipped, examples rejected) name the values in
-    ``diagnostics`` and call :meth:`report` during ``aggregate``; the model logs them
-    in ``History`` and the progress bar.
+    A rule maps ``gradients``, a list aligned with the model's trainable variables (entry
+    ``k`` of shape ``(B,) + variable_k.shape``), to one gradient per variable. A subclass
+    of this class (kind ``"arbitrary"``: it sees every per-example gradient at once)
+    overrides:
+
+    - :meth:`aggregate` ``(gradients) -> list`` (required), or an :class:`Aggregation`
+      of that list with the rule's diagnostics (``reports``), a term the batch holds once
+      (``batch_term``: DP noise) or sums its state follows from (``batch_totals``);
+    - ``__init__`` and ``get_config`` for its arguments, ``build(shapes)`` for Keras
+      variables (state: tracked, saved and restored with the model);
+    - optionally :meth:`batch_size_requirement` (why ``min_batch_size`` is what it is).
+
+    and may set the class attributes below. Everything else is the engine's: the
+    protocols (:class:`WeightedAggregator`, kind ``"statistics"``;
+    :class:`CoordinateAggregator`, kind ``"coordinate"``; :class:`RowMapStep`, a step of
+    ``chain``) implement ``aggregate`` from the parts they list, which the engine then
+    computes on a cheaper path.
+
+    Calling a rule, ``rule(gradients)``, returns the list (batch term added, state
+    updated); :meth:`aggregation` returns the whole :class:`Aggregation`, diagnostics
+    included (the train step's).
+
+    Example: a rule that averages the examples whose gradient norm is below a threshold
+    and reports how many it kept::
+
+        import keras
+        from keras import ops
+        from pergrad.aggregators import Aggregation, Aggregator, MeanOf
+
+        @keras.saving.register_keras_serializable()
+        class BelowNorm(Aggregator):
+            diagnostics = ("kept_fraction",)
+
+            def __init__(self, threshold, **kwargs):
+                super().__init__(**kwargs)
+                self.threshold = threshold
+
+            def aggregate(self, gradients):
+                flat = ops.concatenate(
+                    [ops.reshape(g, (ops.shape(g)[0], -1)) for g in gradients], axis=1)
+                kept = ops.cast(ops.norm(flat, axis=1) <= self.threshold, "float32")
+                count = ops.maximum(ops.sum(kept), 1.0)
+                result = [ops.tensordot(kept, g, axes=1) / count for g in gradients]
+                return Aggregation(result, reports={
+                    "kept_fraction": MeanOf(ops.sum(kept), ops.shape(kept)[0])})
+
+            def get_config(self):
+                return {**super().get_config(), "threshold": self.threshold}
+
+        model = pergrad.PerExampleModel(network, BelowNorm(1.0))
     """
 
     #: Set by the protocol class (:data:`STATISTICS`, :data:`COORDINATE`,
     #: :data:`ARBITRARY`): what the rule needs of the per-example gradients.
     kind: str = ARBITRARY
+    #: The names of the diagnostics the rule reports (:attr:`Aggregation.reports`): the
+    #: model logs them in ``History`` and the progress bar.
     diagnostics: tuple[str, ...] = ()
     #: The smallest batch the rule is defined for.
     min_batch_size: int = 1
@@ -199,34 +341,54 @@ class Aggregator(keras.layers.Layer):
     #: ``WHOLE_BATCH``.
     distribution: str = WHOLE_BATCH
     #: Whether the rule reads each example's unit id (user-level DP,
-    #: ``pergrad.privacy.user_level_dp_gaussian``): the step then hands it the batch's
-    #: ids (``set_units``) and refuses a batch without them; every other rule refuses
-    #: a batch that has them.
+    #: ``pergrad.privacy.user_level_dp_gaussian``): the step then passes the batch's ids
+    #: (``aggregate(gradients, units=ids)``; the statistics' :attr:`ExampleStatistics.units`)
+    #: and refuses a batch without them; every other rule refuses a batch that has them.
     reads_units: bool = False
 
     def __init__(self, **kwargs):
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("trainable", False)
         super().__init__(**kwargs)
-        self._reports: dict = {}
-        self._batch_terms: dict = {}
-        self._batch_totals: dict = {}
 
-    def call(self, gradients, batch_term: bool = True):
-        """The rule's result on ``gradients``; with ``batch_term=False`` without the term
-        its :meth:`finalize` set aside for the batch to hold once (:meth:`pop_batch_term`)."""
+    def aggregate(self, gradients: list) -> list | Aggregation:
+        """The rule's result on ``gradients``: a list of the variables' shapes, or an
+        :class:`Aggregation` of it (diagnostics, batch term, batch totals)."""
+        raise NotImplementedError
+
+    def batch_size_requirement(self) -> str:
+        """Why ``min_batch_size`` is what it is, appended to the batch size error."""
+        return ""
+
+    def aggregation(self, gradients, units=None) -> Aggregation:
+        """The rule's :class:`Aggregation` of ``gradients`` (built on first use), of
+        examples whose unit ids are ``units`` (``(B,)``, for a rule that
+        :attr:`reads_units`); its reports are checked against :attr:`diagnostics`."""
         gradients = list(gradients)
+        if not self.built:
+            self.build([tuple(g.shape) for g in gradients])
         size = static_batch_size(gradients)
         if size is not None:
             self.check_batch_size(size)
-        result = self.aggregate(gradients)
-        if not batch_term:
-            return result
-        totals = self.pop_batch_totals()
-        if totals is not None:  # the batch is this call's: its totals are its own sums
-            totals[1](totals[0])
-        term = self.pop_batch_term()
-        return result if term is None else [g + t for g, t in zip(result, term)]
+        if self.reads_units and units is None:
+            raise ValueError(
+                f"{type(self).__name__} needs each example's user id: call it as "
+                "rule(gradients, units=ids), or train on pergrad.privacy.UserSampler."
+            )
+        if units is not None and not self.reads_units:
+            raise ValueError(f"{type(self).__name__} reads no unit ids: call it without units=.")
+        outcome = Aggregation.of(
+            self.aggregate(gradients) if units is None else self.aggregate(gradients, units=units)
+        )
+        unknown = [name for name in outcome.reports if name not in self.diagnostics]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not one of {type(self).__name__}.diagnostics.")
+        return outcome
+
+    def call(self, gradients, units=None):
+        """The rule's result on ``gradients`` (:meth:`aggregation`, its batch term added and
+        its state updated from its batch totals; its reports dropped)."""
+        return self.aggregation(gradients, units=units).finish()[0]
 
     def check_batch_size(self, batch_size: int) -> None:
         """Raises a ``ValueError`` naming the rule if it is undefined for this batch size."""
@@ -236,12 +398,7 @@ class Aggregator(keras.layers.Layer):
                 f"{self.min_batch_size} examples, got {batch_size}.{self.batch_size_requirement()}"
             )
 
-    def batch_size_requirement(self) -> str:
-        """Why ``min_batch_size`` is what it is, appended to the batch size error."""
-        return ""
-
-    def aggregate(self, gradients: list) -> list:
-        raise NotImplementedError
+    # -- declarations the engine reads (the protocols and composition set them) --------
 
     def in_protocol_form(self, method: str) -> bool:
         """Whether this rule's ``method`` (``"aggregate"``, ``"preprocess"``) is the one its
@@ -256,15 +413,32 @@ class Aggregator(keras.layers.Layer):
         each layer's ``A`` and ``D``; ``None`` (the default) when it is one rule."""
         return None
 
+    def steps_reports(self, reports: list) -> dict:
+        """This composite rule's diagnostics from those of :meth:`steps_and_rule`'s steps and
+        rule (``reports``: one dict each, in order): merged, unless the rule renames them."""
+        return {name: value for part in reports for name, value in part.items()}
+
     def update_allowed(self):
         """A scalar boolean tensor, read before each train step: ``False`` makes the step
         apply no update (a DP rule's budget); ``None`` (the default): always allowed."""
         return None
 
+    def group_count(self) -> int | None:
+        """How many contiguous groups of the batch this rule aggregates each on its own before
+        combining the groups' results (``two_level``), or ``None`` (the default).
+
+        A rule that has a count defines ``aggregate_group(gradients)`` (one group's result)
+        and ``combine_groups(rows, sizes)`` (the result from the groups' results stacked
+        in order and their example counts): with one group per replica, the train step
+        exchanges only the groups' results.
+        """
+        return None
+
     # -- as a step of ``chain`` (the protocol: RowMapStep) ------------------------------
 
-    def preprocess(self, gradients: list) -> list:
-        """Maps per-example gradients ``(B, ...)`` to ``(B', ...)`` for the next step of a chain.
+    def preprocess(self, gradients: list) -> list | Aggregation:
+        """Maps per-example gradients ``(B, ...)`` to ``(B', ...)`` for the next step of a
+        chain (or an :class:`Aggregation` of them, with the step's reports).
 
         Only rules that have a natural per-example form (clipping, bucketing,
         filtering: :class:`RowMapStep`) implement it.
@@ -298,77 +472,7 @@ class Aggregator(keras.layers.Layer):
             if key in seeds:
                 generator.state.assign(store[key])
 
-    def report(self, name: str, value, count=None) -> None:
-        """Records a diagnostic of the current call: the scalar ``value``, or with ``count``
-        the mean ``value / count`` of a sum over ``count`` examples (0 for none).
-
-        A sum and a count are local quantities: where each replica aggregates its own
-        shard, the model's train step sums both over the replicas before dividing
-        (:meth:`pop_reports`), so that the diagnostic describes the whole batch.
-        """
-        if name not in self.diagnostics:
-            raise ValueError(f"{name!r} is not one of {type(self).__name__}.diagnostics.")
-        # Per thread: tf.distribute traces each replica's step in its own thread,
-        # and they take turns at every collective between a report and its pop.
-        self._reports.setdefault(threading.get_ident(), {})[name] = (value, count)
-
-    def pop_reports(self, total=None) -> dict:
-        """The current call's diagnostics by name, forgotten here.
-
-        Args:
-            total: a function that sums a tensor over the replicas whose shards this
-                rule aggregated on its own (the train step's), applied once to all
-                the ``(sum, count)`` reports; ``None``: this call's own values.
-        """
-        reports = self._reports.pop(threading.get_ident(), {})
-        counted = [name for name, (_, count) in reports.items() if count is not None]
-        if counted and total is not None:
-            sums = total(ops.stack([ops.cast(x, "float32") for name in counted for x in reports[name]]))
-            reports.update({name: (sums[2 * k], sums[2 * k + 1]) for k, name in enumerate(counted)})
-        def mean(value, count):
-            if isinstance(count, int):  # (static: no maximum op)
-                return cast(value, "float32") / float(max(count, 1))
-            return value / ops.maximum(ops.cast(count, "float32"), 1.0)
-
-        return {name: value if count is None else mean(value, count)
-                for name, (value, count) in reports.items()}
-
-    def set_batch_term(self, term: list) -> None:
-        """Sets aside ``term`` (aligned with the result) as part of the current call's result
-        that the batch holds once however its examples are split (DP noise).
-        :meth:`finalize` calls it and returns the result without the term: ``__call__``
-        adds it back; the model's train step adds it on one replica of several whose
-        results it sums."""
-        self._batch_terms[threading.get_ident()] = term
-
-    def pop_batch_term(self) -> list | None:
-        """The term :meth:`set_batch_term` set aside in the current call, or ``None``."""
-        return self._batch_terms.pop(threading.get_ident(), None)
-
-    def set_batch_totals(self, sums, update) -> None:
-        """Sets aside ``sums`` (a float tensor of sums over the current call's examples) and
-        ``update``, a function of their totals over the whole batch that updates the rule's
-        state (adaptive clipping's norm, from its count). ``__call__`` calls ``update(sums)``;
-        where each replica aggregates its shard, the model's train step calls it with the
-        sums added over the replicas, so that every replica updates alike."""
-        self._batch_totals[threading.get_ident()] = (sums, update)
-
-    def pop_batch_totals(self):
-        """``(sums, update)`` of :meth:`set_batch_totals` in the current call, or ``None``."""
-        return self._batch_totals.pop(threading.get_ident(), None)
-
-    def group_count(self) -> int | None:
-        """How many contiguous groups of the batch this rule aggregates each on its own before
-        combining the groups' results (``two_level``), or ``None`` (the default).
-
-        A rule that has a count defines ``aggregate_group(gradients)`` (one group's result)
-        and ``combine_groups(rows, sizes)`` (the result from the groups' results stacked
-        in order and their example counts): with one group per replica, the train step
-        exchanges only the groups' results.
-        """
-        return None
-
-    def compute_output_spec(self, gradients):
+    def compute_output_spec(self, gradients, units=None):
         return [keras.KerasTensor(g.shape[1:], g.dtype) for g in gradients]
 
 
@@ -394,11 +498,18 @@ class RowMapStep(Aggregator):
         their statistics (``None`` unless :attr:`map_reads_statistics`)."""
         raise NotImplementedError
 
+    def map_reports(self, stats: ExampleStatistics | None, batch_size) -> dict:
+        """The step's diagnostics on a batch with these statistics (those of
+        :meth:`row_map`): ``{}`` unless the step reports any."""
+        return {}
+
     @protocol_form
     def preprocess(self, gradients):
         stats = ExampleStatistics.from_gradients(gradients) if self.map_reads_statistics else None
-        rows = self.row_map(stats, batch_size_of(gradients))
-        return [rows.apply(g, k) for k, g in enumerate(gradients)]
+        size = batch_size_of(gradients)
+        rows = self.row_map(stats, size)
+        return Aggregation([rows.apply(g, k) for k, g in enumerate(gradients)],
+                           reports=self.map_reports(stats, size))
 
 
 @serializable
@@ -406,9 +517,10 @@ class WeightedAggregator(Aggregator):
     """Rules whose result is ``sum_i w_i g_i`` with weights from statistics.
 
     Subclasses implement :meth:`example_weights` and may override
-    :meth:`finalize` (e.g. to set aside noise, :meth:`~Aggregator.set_batch_term`), which
-    receives the weighted sum and the same statistics, so that no state passes between
-    the two calls. With only statistics needed, a fast
+    :meth:`finalize`, which receives the weighted sum and the same statistics (so that no
+    state passes between the two calls) and may return an :class:`Aggregation` of the
+    result: the rule's diagnostics from the statistics, DP noise as its ``batch_term``.
+    With only statistics needed, a fast
     engine can compute the result without materializing per-example gradients:
     ``sum_i w_i g_i`` is the gradient of ``sum_i w_i L_i`` with ``w`` fixed.
     """
@@ -442,13 +554,14 @@ class WeightedAggregator(Aggregator):
         """Returns weights of shape ``(B,)`` or ``(B, V)`` (one per variable)."""
         raise NotImplementedError
 
-    def finalize(self, result: list, stats: ExampleStatistics) -> list:
-        """The result from ``sum_i w_i g_i`` and the statistics the weights came from."""
+    def finalize(self, result: list, stats: ExampleStatistics) -> list | Aggregation:
+        """The result from ``sum_i w_i g_i`` and the statistics the weights came from (or an
+        :class:`Aggregation` of it)."""
         return result
 
     @protocol_form
-    def aggregate(self, gradients):
-        stats = ExampleStatistics.from_gradients(gradients, gram=self.needs_gram)
+    def aggregate(self, gradients, units=None):
+        stats = ExampleStatistics.from_gradients(gradients, gram=self.needs_gram, units=units)
         return self.finalize(weighted_sum(gradients, self.example_weights(stats)), stats)
 
 
@@ -477,6 +590,11 @@ class ScaledMean(RowMapStep, WeightedAggregator):
 
     def row_map(self, stats, batch_size):
         return RowMap.scaling(self.example_scales(stats))
+
+    def finalize(self, result, stats):
+        # As the last rule, its reports are those it makes as a step.
+        reports = self.map_reports(stats, stats.batch_size)
+        return Aggregation(result, reports=reports) if reports else result
 
 
 @serializable
