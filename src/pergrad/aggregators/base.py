@@ -485,6 +485,10 @@ class RowMapStep(Aggregator):
     application, and the streaming path applies the map (composed with the next
     steps' maps) to each layer's input and output gradient instead. A step may be a
     rule of its own too (``clip`` is the mean of the clipped examples).
+
+    Subclasses implement :meth:`row_map`, and :meth:`map_reports` if they report
+    diagnostics, and set :attr:`map_reads_statistics` and :attr:`mixes_examples` where
+    they hold.
     """
 
     #: Whether :meth:`row_map` reads per-example statistics (squared norms).
@@ -599,7 +603,11 @@ class ScaledMean(RowMapStep, WeightedAggregator):
 
 @serializable
 class CoordinateAggregator(Aggregator):
-    """Rules applied to one variable at a time: ``(B, ...) -> (...)``."""
+    """Rules applied to one variable at a time: ``(B, ...) -> (...)``.
+
+    Subclasses implement :meth:`aggregate_variable` and set :attr:`coordinatewise` where it
+    holds; the streaming path then aggregates one variable at a time.
+    """
 
     kind = COORDINATE
     #: Whether each coordinate's result depends on that coordinate's ``B`` values
