@@ -34,13 +34,12 @@ saved by ``model.save()`` and restored by ``keras.models.load_model()``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Sequence
 
 import keras
-from keras import ops
 
 from pergrad import compat
+from pergrad.aggregators.aggregation import Aggregation, BatchTotals, MeanOf, report_values
 from pergrad.aggregators.batch import (
     batch_size_of,
     batch_sum,
@@ -63,7 +62,7 @@ from pergrad.aggregators.statistics import (
     squared_norms_of_rows,
     stack_columns,
 )
-from pergrad.tensors import cast, float_count, is_float
+from pergrad.tensors import float_count, is_float
 
 __all__ = [
     "ARBITRARY",
@@ -172,97 +171,6 @@ def takes_outer_rows(method):
     unless it says so, and gets formed rows."""
     method.takes_outer_rows = True
     return method
-
-
-class MeanOf(NamedTuple):
-    """A diagnostic that is a mean over the batch's examples, ``total / count`` (0 for no
-    example), reported as its sum and count: where each replica aggregates its own shard,
-    the train step sums both over the replicas before dividing, so that the value describes
-    the whole batch."""
-
-    total: object
-    count: object
-
-
-class BatchTotals(NamedTuple):
-    """Sums over the examples a call aggregated, and how the rule's state follows from their
-    totals over the whole batch (adaptive clipping's count): ``update(totals)`` assigns the
-    state and returns the diagnostics it makes (a dict, perhaps empty). On one device
-    ``update(sums)``; where each replica aggregates its shard, the train step calls it with
-    the sums added over the replicas, so that every replica updates alike."""
-
-    sums: object
-    update: Callable
-
-
-def report_values(reports: dict, total=None) -> dict:
-    """The logged value of each report: a :class:`MeanOf` divided out, after ``total`` (a
-    function that sums a tensor over the replicas whose shards the rule aggregated on its
-    own; ``None``: this call's own values) is applied once to all the sums and counts."""
-    counted = [name for name, value in reports.items() if isinstance(value, MeanOf)]
-    if counted and total is not None:
-        sums = total(ops.stack([ops.cast(x, "float32") for name in counted for x in reports[name]]))
-        totals = {name: MeanOf(sums[2 * k], sums[2 * k + 1]) for k, name in enumerate(counted)}
-        reports = {**reports, **totals}
-
-    def mean(value, count):
-        if isinstance(count, int):  # (static: no maximum op)
-            return cast(value, "float32") / float(max(count, 1))
-        return value / ops.maximum(ops.cast(count, "float32"), 1.0)
-
-    return {name: mean(*value) if isinstance(value, MeanOf) else value for name, value in reports.items()}
-
-
-class Aggregation:
-    """What a rule returns for a batch: the result and what the batch does with it once.
-
-    ``aggregate`` (and a statistics rule's ``finalize``, a step's ``preprocess``) return
-    either the result alone (a list, one tensor per variable) or an ``Aggregation`` of it;
-    nothing is set on the rule for the train step to collect.
-
-    Attributes:
-        gradients: the result, one tensor per variable (without ``batch_term``).
-        reports: diagnostics by name (each one of the rule's ``diagnostics``): a scalar,
-            or a :class:`MeanOf` (a mean over the examples: its sum and count).
-        batch_term: a part of the result the batch holds once however its examples are
-            split (DP noise), aligned with ``gradients``, or ``None``: calling the rule
-            adds it; on several replicas whose results are summed the train step adds it
-            on replica 0 only.
-        batch_totals: :class:`BatchTotals` (state that follows from the whole batch's
-            sums), or ``None``.
-    """
-
-    __slots__ = ("gradients", "reports", "batch_term", "batch_totals")
-
-    def __init__(self, gradients, reports: dict | None = None, batch_term: list | None = None,
-                 batch_totals: BatchTotals | None = None):
-        self.gradients = gradients
-        self.reports = dict(reports or {})
-        self.batch_term = batch_term
-        self.batch_totals = batch_totals
-
-    @classmethod
-    def of(cls, value) -> Aggregation:
-        """``value`` if it is an ``Aggregation``, else the aggregation of that result alone."""
-        return value if isinstance(value, Aggregation) else cls(value)
-
-    def with_gradients(self, gradients) -> Aggregation:
-        """This aggregation with ``gradients`` as its result."""
-        return Aggregation(gradients, self.reports, self.batch_term, self.batch_totals)
-
-    def finish(self, total=None, once=None) -> tuple[list, dict]:
-        """``(gradients, reports)`` of the batch: the batch term added (through ``once``,
-        which keeps it on one replica of several), the state updated from the batch totals
-        (their sums through ``total``, which adds them over the replicas) and the
-        diagnostics' logged values (:func:`report_values`). Without arguments: one call's."""
-        result, reports = self.gradients, dict(self.reports)
-        if self.batch_term is not None:
-            once = once or (lambda value: value)
-            result = [g + once(t) for g, t in zip(result, self.batch_term)]
-        if self.batch_totals is not None:  # the same totals, hence the same state, everywhere
-            sums, update = self.batch_totals
-            reports.update(update(sums if total is None else total(sums)) or {})
-        return result, report_values(reports, total)
 
 
 @serializable
@@ -401,11 +309,11 @@ class Aggregator(keras.layers.Layer):
     # -- declarations the engine reads (the protocols and composition set them) --------
 
     def in_protocol_form(self, method: str) -> bool:
-        """Whether this rule's ``method`` (``"aggregate"``, ``"preprocess"``) is the one its
-        protocol derives from its parts (:func:`protocol_form`), so that the engine may
-        compute it from them: the statistics path from ``example_weights`` and
+        """Whether this rule's ``method`` (``"aggregate"``, a step's ``"preprocess"``) is the
+        one its protocol derives from its parts (:func:`protocol_form`), so that the engine
+        may compute it from them: the statistics path from ``example_weights`` and
         ``finalize``, the streaming path variable by variable and from ``row_map``."""
-        return getattr(getattr(type(self), method), "protocol_form", False)
+        return getattr(getattr(type(self), method, None), "protocol_form", False)
 
     def steps_and_rule(self):
         """``(steps, rule)`` when this rule is pre-processing steps followed by another
@@ -433,28 +341,6 @@ class Aggregator(keras.layers.Layer):
         exchanges only the groups' results.
         """
         return None
-
-    # -- as a step of ``chain`` (the protocol: RowMapStep) ------------------------------
-
-    def preprocess(self, gradients: list) -> list | Aggregation:
-        """Maps per-example gradients ``(B, ...)`` to ``(B', ...)`` for the next step of a
-        chain (or an :class:`Aggregation` of them, with the step's reports).
-
-        Only rules that have a natural per-example form (clipping, bucketing,
-        filtering: :class:`RowMapStep`) implement it.
-        """
-        raise TypeError(
-            f"{type(self).__name__} is not a pre-processing step: only its aggregate is "
-            "defined. Put it last in chain(...)."
-        )
-
-    def can_preprocess(self) -> bool:
-        """Whether this rule can be a pre-processing step (not last) of a chain."""
-        return type(self).preprocess is not Aggregator.preprocess
-
-    def output_batch_size(self, batch_size: int) -> int:
-        """``B'``: how many rows :meth:`preprocess` returns for ``batch_size`` examples."""
-        return batch_size
 
     # -- saving: Keras does not save SeedGenerator states; aggregators do -------------
 
@@ -507,8 +393,18 @@ class RowMapStep(Aggregator):
         :meth:`row_map`): ``{}`` unless the step reports any."""
         return {}
 
+    def can_preprocess(self) -> bool:
+        """Whether this rule can be a pre-processing step (not last) of a chain."""
+        return True
+
+    def output_batch_size(self, batch_size: int) -> int:
+        """``B'``: how many rows :meth:`preprocess` returns for ``batch_size`` examples."""
+        return batch_size
+
     @protocol_form
-    def preprocess(self, gradients):
+    def preprocess(self, gradients) -> list | Aggregation:
+        """Maps per-example gradients ``(B, ...)`` to ``(B', ...)`` for the next step of a
+        chain, with the step's reports (an :class:`Aggregation`): :meth:`row_map` applied."""
         stats = ExampleStatistics.from_gradients(gradients) if self.map_reads_statistics else None
         size = batch_size_of(gradients)
         rows = self.row_map(stats, size)

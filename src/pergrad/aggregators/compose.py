@@ -124,7 +124,7 @@ class Chain(Aggregator):
             _refuse_private(step, "chain(...)")
         # So a chain is never private (Aggregator.differentially_private = False).
         for step in steps[:-1]:
-            if not step.can_preprocess():
+            if not (isinstance(step, RowMapStep) and step.can_preprocess()):
                 raise ValueError(
                     f"{type(step).__name__} cannot be a pre-processing step of chain: only "
                     "clip, automatic_clip, norm_filter(drop_fraction=...) and bucketing(size) "
@@ -151,12 +151,13 @@ class Chain(Aggregator):
     def _smallest_batch(self, limit: int = 1_000_000) -> int:
         for batch_size in range(1, limit):
             size = batch_size
-            for step in self.steps:
+            for step in self.steps[:-1]:
                 if size < step.min_batch_size:
                     break
                 size = step.output_batch_size(size)
             else:
-                return batch_size
+                if size >= self.steps[-1].min_batch_size:
+                    return batch_size
         raise ValueError(f"No batch size below {limit} satisfies every step of the chain.")
 
     def batch_size_requirement(self):
