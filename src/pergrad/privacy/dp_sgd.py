@@ -300,14 +300,7 @@ class DPGaussian(WeightedAggregator):
         norms = as_float32(stats.norms if self.per_layer else stats.flat_norms)
         flat_norms = ops.cast(stats.flat_norms, "float32")
         clipped = ops.any(norms > threshold, axis=1) if self.per_layer else norms > threshold
-        # Padding rows (weight 0) have zero gradient: left out, so that the diagnostics
-        # describe the real examples.
-        present = ops.cast(flat_norms > 0, "float32")
-        count = ops.sum(present)
-        return {
-            "clipped_fraction": MeanOf(ops.sum(ops.cast(clipped, "float32") * present), count),
-            "gradient_norm": MeanOf(ops.sum(ops.where(present > 0, flat_norms, 0.0)), count),
-        }
+        return clipping_reports(clipped, flat_norms, flat_norms)
 
     def example_weights(self, stats: ExampleStatistics):
         return self.clip_factors(stats) / self._denominator(stats)
@@ -357,6 +350,18 @@ class DPGaussian(WeightedAggregator):
             "seed": self.seed,
             "diagnostics": self.log_diagnostics,
         }
+
+
+def clipping_reports(clipped, norms, flat_norms) -> dict:
+    """``clipped_fraction`` and ``gradient_norm``, the means of ``clipped`` and ``norms``
+    (``(B,)``) over the examples whose gradient is not zero (``flat_norms > 0``): padding
+    rows (weight 0) are left out, so that the diagnostics describe the real examples."""
+    present = ops.cast(flat_norms > 0, "float32")
+    count = ops.sum(present)
+    return {
+        "clipped_fraction": MeanOf(ops.sum(ops.cast(clipped, "float32") * present), count),
+        "gradient_norm": MeanOf(ops.sum(ops.where(present > 0, norms, 0.0)), count),
+    }
 
 
 def dp_gaussian(

@@ -46,8 +46,8 @@ from __future__ import annotations
 import numpy as np
 from keras import ops
 
-from pergrad.aggregators.base import UNIT_IDS, UNIT_INPUTS, ExampleStatistics, MeanOf, serializable
-from pergrad.privacy.dp_sgd import DPGaussian
+from pergrad.aggregators.base import UNIT_IDS, UNIT_INPUTS, ExampleStatistics, serializable
+from pergrad.privacy.dp_sgd import DPGaussian, clipping_reports
 from pergrad.privacy.sampling import PoissonSampler, bernstein_bound, bucket_width_for
 
 #: The unit id of a padding row: no user's (padding has zero gradient in any case).
@@ -152,14 +152,8 @@ class UserLevelDPGaussian(DPGaussian):
 
     def clip_reports(self, stats: ExampleStatistics) -> dict:
         """As :meth:`DPGaussian.clip_reports`, each example counted with its user's norm."""
-        threshold = self.l2_norm_clip
         norms = self.unit_norms(stats)
-        present = ops.cast(ops.cast(stats.flat_norms, "float32") > 0, "float32")
-        count = ops.sum(present)
-        return {
-            "clipped_fraction": MeanOf(ops.sum(ops.cast(norms > threshold, "float32") * present), count),
-            "gradient_norm": MeanOf(ops.sum(ops.where(present > 0, norms, 0.0)), count),
-        }
+        return clipping_reports(norms > self.l2_norm_clip, norms, ops.cast(stats.flat_norms, "float32"))
 
 
 def user_level_dp_gaussian(
