@@ -20,6 +20,12 @@ subclass of one protocol, which fixes its *kind* and the methods it implements:
 A rule that can also come before another in ``chain`` is a :class:`RowMapStep`:
 a linear map of the batch (:class:`RowMap`), from ``row_map``.
 
+What a rule hands to the train step is returned, never set on the rule: its
+``aggregate`` (a statistics rule's ``finalize``, a step's ``preprocess``) returns the
+gradients or an :class:`Aggregation` of them with its diagnostics, its DP noise (the
+batch term) and the sums its state follows (the batch totals); unit ids come in as an
+argument (:attr:`ExampleStatistics.units`).
+
 Every rule declares, as class attributes, how it splits over the batch's parts
 (:attr:`Aggregator.distribution`), the smallest batch it is defined for,
 whether it is differentially private and whether it keeps per-variable state;
