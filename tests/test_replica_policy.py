@@ -85,7 +85,7 @@ def test_groups_results_combine_into_the_two_level_result(batch, groups):
     starts = np.cumsum((0,) + sizes)
     groups = [rule.aggregate_group(_tensors(gradients, a, b)) for a, b in zip(starts[:-1], starts[1:])]
     rows = [ops.stack([g[k] for g in groups]) for k in range(len(SHAPES))]
-    combined = rule.combine_groups(rows, ops.convert_to_tensor(np.array(sizes, "int32")))
+    combined = rule.combine_groups(rows, ops.convert_to_tensor(np.array(sizes, "int32"))).finish()[0]
     assert rule.group_count() == len(sizes) and aggregators.median().group_count() is None
     for c, e in zip(combined, expected):
         np.testing.assert_allclose(ops.convert_to_numpy(c), ops.convert_to_numpy(e), rtol=1e-6, atol=1e-7)
