@@ -107,3 +107,12 @@ def test_no_call_leaves_anything_on_the_rule(make):
     assert not any(key in vars(rule) for key in ("_reports", "_batch_terms", "_batch_totals", "_units"))
     first = rule.aggregation(_gradients()).finish()[1]
     assert set(first) <= set(rule.diagnostics)
+
+
+def test_a_chain_may_end_in_a_rule_that_is_no_step():
+    """A chain's last rule is asked for no output batch size (norm_filter(factor=...) has none)."""
+    rule = agg.chain(agg.clip(1.0), agg.norm_filter(factor=1.5))
+    assert rule.min_batch_size == 1
+    result, reports = rule.aggregation(_gradients()).finish()
+    assert set(reports) == {"clipped_fraction", "rejected_fraction"}
+    assert [tuple(r.shape) for r in result] == [(3,), (2, 2)]
