@@ -61,23 +61,23 @@ def loss_scale(optimizer, variables):
 
 
 def run_engine(wrapper, problem, collectives, loss_scale, trainable_values, non_trainable_values, x,
-               y, sample_weight):
-    """``(result, per_example, aux)``: the engine path's result (``None`` on the materialized
-    path) or the per-example gradients (``None`` on the others; a DP rule's non-finite
-    examples zeroed), and the batch's ``aux`` (``y_pred``, ``seeds``, ``mask``, ...);
-    ``problem``: the wrapper's (``wrapper.per_example_problem()``, derived once a step);
-    ``loss_scale``: the backward pass's (``collectives.engine_loss_scale``)."""
+               y, sample_weight, units=None):
+    """``(result, per_example, aux)``: the engine path's result (the rule's
+    :class:`~pergrad.aggregators.base.Aggregation`; ``None`` on the materialized path) or
+    the per-example gradients (``None`` on the others; a DP rule's non-finite examples
+    zeroed), and the batch's ``aux`` (``y_pred``, ``seeds``, ``mask``, ...); ``problem``:
+    the wrapper's (``wrapper.per_example_problem()``, derived once a step); ``loss_scale``:
+    the backward pass's (``collectives.engine_loss_scale``); ``units``: the batch's unit
+    ids, for a rule that reads them."""
     aggregator = wrapper.aggregator
     path = engine_path(aggregator, wrapper.engine_path, wrapper.microbatch_size)
-    aggregator.pop_batch_term()  # none left over from a traced step that raised
-    aggregator.pop_batch_totals()
     inputs = (problem, aggregator, trainable_values, non_trainable_values, x, y, sample_weight)
 
     def on_statistics_path():
         if chunked.supports(aggregator):
             result, aux = statistics.aggregate(
                 *inputs, loss_scale=loss_scale, collectives=collectives,
-                keep_layers=wrapper.diagnostics_request() is not None,
+                keep_layers=wrapper.diagnostics_request() is not None, units=units,
             )
         else:
             result, aux = streaming.aggregate(
@@ -113,7 +113,7 @@ def run_engine(wrapper, problem, collectives, loss_scale, trainable_values, non_
         # Accumulated chunk by chunk: no (B, ...) per-example tensor exists. A DP
         # rule's non-finite examples are zeroed in every chunk.
         result, aux = chunked.aggregate(*inputs, wrapper.microbatch_size, loss_scale=loss_scale,
-                                        collectives=collectives)
+                                        collectives=collectives, units=units)
         return result, None, aux
     return on_materialized_path()
 
@@ -131,21 +131,13 @@ def check_output_mask(wrapper, problem, collectives, aux) -> None:
     collectives.check_masked_output()
 
 
-def add_batch_term(wrapper, collectives, result) -> list:
-    """``result`` with the rule's batch term (DP noise) added once, its state updated
-    from its batch totals, and its diagnostics kept for the logs, over the whole batch:
-    a rule that aggregated a part of it reports sums and counts, which
-    ``collectives.part_sum`` adds up."""
-    aggregator = wrapper.aggregator
-    term = aggregator.pop_batch_term()
-    if term is not None:
-        result = [g + collectives.once(t) for g, t in zip(result, term)]
-    total = collectives.part_sum
-    totals = aggregator.pop_batch_totals()
-    if totals is not None:  # the same totals, hence the same state, on every device
-        sums, update = totals
-        update(sums if total is None else total(sums))
-    wrapper.keep_reports(aggregator.pop_reports(total))
+def add_batch_term(wrapper, collectives, outcome) -> list:
+    """The rule's result (its :class:`~pergrad.aggregators.base.Aggregation`) with its
+    batch term (DP noise) added once, its state updated from its batch totals, and its
+    diagnostics kept for the logs, over the whole batch: a rule that aggregated a part of
+    it reports sums and counts, which ``collectives.part_sum`` adds up."""
+    result, reports = outcome.finish(collectives.part_sum, collectives.once)
+    wrapper.keep_reports(reports)
     return result
 
 
@@ -199,19 +191,13 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     problem = wrapper.per_example_problem()
     scale = loss_scale(wrapper.optimizer, compat.trainable_variables(wrapper.model))
     collectives = training.collectives(wrapper, x, scale)
-    if units is not None:  # read by the rule's weights, on whichever path
-        aggregator.set_units(units)
-    try:
-        result, per_example, aux = run_engine(
-            wrapper, problem, collectives, collectives.engine_loss_scale(scale), trainable_values,
-            non_trainable_values, x, y, sample_weight
-        )
-        check_output_mask(wrapper, problem, collectives, aux)
-        if result is None:  # the rule on the materialized per-example gradients
-            result = collectives.apply_rule(aggregator, per_example)
-    finally:
-        if units is not None:
-            aggregator.pop_units()
+    result, per_example, aux = run_engine(
+        wrapper, problem, collectives, collectives.engine_loss_scale(scale), trainable_values,
+        non_trainable_values, x, y, sample_weight, units
+    )
+    check_output_mask(wrapper, problem, collectives, aux)
+    if result is None:  # the rule on the materialized per-example gradients
+        result = collectives.apply_rule(aggregator, per_example, units)
     result = add_batch_term(wrapper, collectives, result)
     result = post_process(wrapper, problem, collectives, scale, result, per_example, aux,
                           trainable_values)

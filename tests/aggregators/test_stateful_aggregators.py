@@ -36,14 +36,16 @@ def test_centered_clip_carries_its_center_across_calls():
     center = np.zeros(7)
     for step in range(3):
         gradients = [rng.normal(size=(6, 2, 2)) + step, rng.normal(size=(6, 3)) - step]
-        result = numpy(aggregator([ops.convert_to_tensor(g.astype("float32")) for g in gradients]))
+        result, reports = aggregator.aggregation(
+            [ops.convert_to_tensor(g.astype("float32")) for g in gradients]).finish()
+        result = numpy(result)
         points = np.concatenate([g.reshape(6, -1) for g in gradients], axis=1)
         center = ref_centered_clip(points, center, 0.5, 2)
         np.testing.assert_allclose(np.concatenate([r.ravel() for r in result]), center, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(
             np.concatenate([np.ravel(v) for v in numpy(aggregator.center)]), center, rtol=1e-5, atol=1e-6
         )
-    assert float(ops.convert_to_numpy(aggregator.pop_reports()["clipped_fraction"])) > 0
+    assert float(ops.convert_to_numpy(reports["clipped_fraction"])) > 0
 
 
 def test_bucketing_is_reproducible_under_set_random_seed():

@@ -126,6 +126,7 @@ def test_statistics_helpers_in_raw_torch_match_the_keras_ops_ones(monkeypatch):
     from keras import ops
 
     from pergrad.aggregators import basic, statistics
+    from pergrad.aggregators.base import report_values
     from pergrad.backend import torch as adapter
 
     rng = np.random.default_rng(3)
@@ -143,7 +144,7 @@ def test_statistics_helpers_in_raw_torch_match_the_keras_ops_ones(monkeypatch):
         out += [statistics.example_weighted_sum(grads[1].to(torch.bfloat16), weights)]  # promoted
         out += [statistics.stack_columns([g.reshape(6, -1)[:, 0] for g in grads]), stats.flat_norms]
         out += list(basic._factors_and_count(norms, 1.0)) + [clip.clip_factors(stats)]
-        reports = clip.pop_reports()
+        reports = report_values(clip.map_reports(stats, 6))
         finite = statistics.overflow_safe(squared, lambda: "rescaled")
         infinite = statistics.overflow_safe(squared * np.inf, lambda: "rescaled")
         return [ops.convert_to_numpy(t) for t in out] + [reports["clipped_fraction"], finite[1], infinite]

@@ -61,9 +61,7 @@ def _both(problem, rule, sample_weight, training=True, loss_scale=None):
         engine, chunked_rule, values, states, problem.x, problem.y, sample_weight, CHUNK,
         loss_scale=loss_scale,
     )
-    term = chunked_rule.pop_batch_term()  # DP noise: the train step adds it (once over replicas)
-    if term is not None:
-        result = [g + t for g, t in zip(result, term)]
+    result = result.finish()[0]  # DP noise: the train step adds it (once over replicas)
     return (whole, aux), (result, chunked_aux)
 
 

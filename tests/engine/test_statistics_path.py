@@ -91,7 +91,7 @@ def test_norms_gram_and_weighted_sums_match_the_materialized_path(name, caplog):
         result, _ = statistics.aggregate(engine, rule, trainable, states, problem.x, problem.y,
                                          problem.sample_weight)
         reference = rule.aggregate([ops.convert_to_tensor(g) for g in grads])
-        oracle.assert_gradients_close([oracle.to_numpy(r) for r in result],
+        oracle.assert_gradients_close([oracle.to_numpy(r) for r in result.gradients],
                                       [oracle.to_numpy(r) for r in reference], rtol=RTOL, atol=ATOL)
 
 
@@ -114,7 +114,7 @@ def test_embedding_statistics_from_token_pairs_or_the_formed_tables(formed, monk
     result, _ = statistics.aggregate(PerExampleProblem(model, training=True), rule, trainable, states,
                                      problem.x, problem.y, problem.sample_weight)
     reference = rule.aggregate([ops.convert_to_tensor(g) for g in grads])
-    oracle.assert_gradients_close([oracle.to_numpy(r) for r in result],
+    oracle.assert_gradients_close([oracle.to_numpy(r) for r in result.gradients],
                                   [oracle.to_numpy(r) for r in reference], rtol=RTOL, atol=ATOL)
 
 

@@ -107,7 +107,7 @@ def test_every_layer_rule_streams_the_materialized_result(name):
         result, aux = streaming.aggregate(engine, make(), trainable, states, problem.x, problem.y,
                                           problem.sample_weight)
         expected = make()(grads)
-        oracle.assert_gradients_close([oracle.to_numpy(r) for r in result],
+        oracle.assert_gradients_close([oracle.to_numpy(r) for r in result.gradients],
                                       [oracle.to_numpy(e) for e in expected], rtol=RTOL, atol=ATOL)
         assert bool(oracle.to_numpy(aux["finite"]))
 

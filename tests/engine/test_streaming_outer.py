@@ -62,7 +62,8 @@ def _aggregate(problem, rule, x=None):
     trainable = [v.value for v in problem.model.trainable_variables]
     states = [v.value for v in problem.model.non_trainable_variables]
     x = problem.x if x is None else x
-    return streaming.aggregate(engine, rule, trainable, states, x, problem.y, problem.sample_weight)
+    outcome, aux = streaming.aggregate(engine, rule, trainable, states, x, problem.y, problem.sample_weight)
+    return outcome.gradients, aux
 
 
 def _counting(monkeypatch, formed=False):

@@ -64,8 +64,8 @@ def test_without_noise_the_norm_follows_the_numpy_recurrence_and_the_update_clip
     clip = 0.8
     for step in range(5):
         gradients = random_gradients(step, padding=2)  # the padding rows do not count
-        got = rule([ops.convert_to_tensor(g) for g in gradients])
-        reports = {k: float(numpy_of(v)) for k, v in rule.pop_reports().items()}
+        got, reports = rule.aggregation([ops.convert_to_tensor(g) for g in gradients]).finish()
+        reports = {k: float(numpy_of(v)) for k, v in reports.items()}
         want, next_clip, fraction = numpy_step(gradients, clip, expected, quantile, rate)
         for g, w in zip(got, want):
             np.testing.assert_allclose(numpy_of(g), w, rtol=1e-5, atol=1e-7)

@@ -125,8 +125,8 @@ def test_diagnostics_leave_out_zero_gradient_padding_rows():
     for g in gradients:
         g[4:] = 0.0  # two padding rows
     aggregator = dp_gaussian(1.0, 0.0, expected_batch_size=4, diagnostics=True)
-    run(aggregator, gradients)
-    reports = {k: float(ops.convert_to_numpy(v)) for k, v in aggregator.pop_reports().items()}
+    _, reports = aggregator.aggregation([ops.convert_to_tensor(g) for g in gradients]).finish()
+    reports = {k: float(ops.convert_to_numpy(v)) for k, v in reports.items()}
     norms = np.linalg.norm(np.concatenate([g.reshape(BATCH, -1) for g in gradients], axis=1), axis=1)[:4]
     assert reports["clipped_fraction"] == pytest.approx(np.mean(norms > 1.0))
     assert reports["gradient_norm"] == pytest.approx(np.mean(norms), rel=1e-5)

@@ -20,6 +20,12 @@ subclass of one protocol, which fixes its *kind* and the methods it implements:
 A rule that can also come before another in ``chain`` is a :class:`RowMapStep`:
 a linear map of the batch (:class:`RowMap`), from ``row_map``.
 
+What a rule hands to the train step is returned, never set on the rule: its
+``aggregate`` (a statistics rule's ``finalize``, a step's ``preprocess``) returns the
+gradients or an :class:`Aggregation` of them with its diagnostics, its DP noise (the
+batch term) and the sums its state follows (the batch totals); unit ids come in as an
+argument (:attr:`ExampleStatistics.units`).
+
 Every rule declares, as class attributes, how it splits over the batch's parts
 (:attr:`Aggregator.distribution`), the smallest batch it is defined for,
 whether it is differentially private and whether it keeps per-variable state;
@@ -34,13 +40,12 @@ saved by ``model.save()`` and restored by ``keras.models.load_model()``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import keras
-from keras import ops
 
 from pergrad import compat
+from pergrad.aggregators.aggregation import Aggregation, BatchTotals, MeanOf, report_values
 from pergrad.aggregators.batch import (
     batch_size_of,
     batch_sum,
@@ -63,7 +68,7 @@ from pergrad.aggregators.statistics import (
     squared_norms_of_rows,
     stack_columns,
 )
-from pergrad.tensors import cast, float_count, is_float
+from pergrad.tensors import float_count, is_float
 
 __all__ = [
     "ARBITRARY",
@@ -76,9 +81,12 @@ __all__ = [
     "UNIT_IDS",
     "UNIT_INPUTS",
     "WHOLE_BATCH",
+    "Aggregation",
     "Aggregator",
+    "BatchTotals",
     "CoordinateAggregator",
     "ExampleStatistics",
+    "MeanOf",
     "RowMap",
     "RowMapStep",
     "ScaledMean",
@@ -92,6 +100,7 @@ __all__ = [
     "finite_examples",
     "overflow_safe",
     "protocol_form",
+    "report_values",
     "row_scales",
     "row_squared_norms",
     "scale_examples",
@@ -172,18 +181,65 @@ def takes_outer_rows(method):
 
 @serializable
 class Aggregator(keras.layers.Layer):
-    """Base class: ``aggregate(gradients) -> list`` of the variables' shapes (kind arbitrary).
+    """Base class of the rules: per-example gradients in, one gradient out (kind arbitrary).
 
-    A subclass implements :meth:`aggregate` (or derives from a protocol below that
-    implements it from its parts) and may set the class attributes below. Rules that
-    report what they did (fraction clipped, examples rejected) name the values in
-    ``diagnostics`` and call :meth:`report` during ``aggregate``; the model logs them
-    in ``History`` and the progress bar.
+    A rule maps ``gradients``, a list aligned with the model's trainable variables (entry
+    ``k`` of shape ``(B,) + variable_k.shape``), to one gradient per variable. A subclass
+    of this class (kind ``"arbitrary"``: it sees every per-example gradient at once)
+    overrides:
+
+    - :meth:`aggregate` ``(gradients) -> list`` (required), or an :class:`Aggregation`
+      of that list with the rule's diagnostics (``reports``), a term the batch holds once
+      (``batch_term``: DP noise) or sums its state follows from (``batch_totals``);
+    - ``__init__`` and ``get_config`` for its arguments, ``build(shapes)`` for Keras
+      variables (state: tracked, saved and restored with the model);
+    - optionally :meth:`batch_size_requirement` (why ``min_batch_size`` is what it is).
+
+    and may set the class attributes below. Everything else is the engine's: the
+    protocols (:class:`WeightedAggregator`, kind ``"statistics"``;
+    :class:`CoordinateAggregator`, kind ``"coordinate"``; :class:`RowMapStep`, a step of
+    ``chain``) implement ``aggregate`` from the parts they list, which the engine then
+    computes on a cheaper path.
+
+    Calling a rule, ``rule(gradients)``, returns the list (batch term added, state
+    updated); :meth:`aggregation` returns the whole :class:`Aggregation`, diagnostics
+    included (the train step's).
+
+    Example: a rule that averages the examples whose gradient norm is below a threshold
+    and reports how many it kept::
+
+        import keras
+        from keras import ops
+        from pergrad.aggregators import Aggregation, Aggregator, MeanOf
+
+        @keras.saving.register_keras_serializable()
+        class BelowNorm(Aggregator):
+            diagnostics = ("kept_fraction",)
+
+            def __init__(self, threshold, **kwargs):
+                super().__init__(**kwargs)
+                self.threshold = threshold
+
+            def aggregate(self, gradients):
+                flat = ops.concatenate(
+                    [ops.reshape(g, (ops.shape(g)[0], -1)) for g in gradients], axis=1)
+                kept = ops.cast(ops.norm(flat, axis=1) <= self.threshold, "float32")
+                count = ops.maximum(ops.sum(kept), 1.0)
+                result = [ops.tensordot(kept, g, axes=1) / count for g in gradients]
+                return Aggregation(result, reports={
+                    "kept_fraction": MeanOf(ops.sum(kept), ops.shape(kept)[0])})
+
+            def get_config(self):
+                return {**super().get_config(), "threshold": self.threshold}
+
+        model = pergrad.PerExampleModel(network, BelowNorm(1.0))
     """
 
     #: Set by the protocol class (:data:`STATISTICS`, :data:`COORDINATE`,
     #: :data:`ARBITRARY`): what the rule needs of the per-example gradients.
     kind: str = ARBITRARY
+    #: The names of the diagnostics the rule reports (:attr:`Aggregation.reports`): the
+    #: model logs them in ``History`` and the progress bar.
     diagnostics: tuple[str, ...] = ()
     #: The smallest batch the rule is defined for.
     min_batch_size: int = 1
@@ -199,34 +255,54 @@ class Aggregator(keras.layers.Layer):
     #: ``WHOLE_BATCH``.
     distribution: str = WHOLE_BATCH
     #: Whether the rule reads each example's unit id (user-level DP,
-    #: ``pergrad.privacy.user_level_dp_gaussian``): the step then hands it the batch's
-    #: ids (``set_units``) and refuses a batch without them; every other rule refuses
-    #: a batch that has them.
+    #: ``pergrad.privacy.user_level_dp_gaussian``): the step then passes the batch's ids
+    #: (``aggregate(gradients, units=ids)``; the statistics' :attr:`ExampleStatistics.units`)
+    #: and refuses a batch without them; every other rule refuses a batch that has them.
     reads_units: bool = False
 
     def __init__(self, **kwargs):
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("trainable", False)
         super().__init__(**kwargs)
-        self._reports: dict = {}
-        self._batch_terms: dict = {}
-        self._batch_totals: dict = {}
 
-    def call(self, gradients, batch_term: bool = True):
-        """The rule's result on ``gradients``; with ``batch_term=False`` without the term
-        its :meth:`finalize` set aside for the batch to hold once (:meth:`pop_batch_term`)."""
+    def aggregate(self, gradients: list) -> list | Aggregation:
+        """The rule's result on ``gradients``: a list of the variables' shapes, or an
+        :class:`Aggregation` of it (diagnostics, batch term, batch totals)."""
+        raise NotImplementedError
+
+    def batch_size_requirement(self) -> str:
+        """Why ``min_batch_size`` is what it is, appended to the batch size error."""
+        return ""
+
+    def aggregation(self, gradients, units=None) -> Aggregation:
+        """The rule's :class:`Aggregation` of ``gradients`` (built on first use), of
+        examples whose unit ids are ``units`` (``(B,)``, for a rule that
+        :attr:`reads_units`); its reports are checked against :attr:`diagnostics`."""
         gradients = list(gradients)
+        if not self.built:
+            self.build([tuple(g.shape) for g in gradients])
         size = static_batch_size(gradients)
         if size is not None:
             self.check_batch_size(size)
-        result = self.aggregate(gradients)
-        if not batch_term:
-            return result
-        totals = self.pop_batch_totals()
-        if totals is not None:  # the batch is this call's: its totals are its own sums
-            totals[1](totals[0])
-        term = self.pop_batch_term()
-        return result if term is None else [g + t for g, t in zip(result, term)]
+        if self.reads_units and units is None:
+            raise ValueError(
+                f"{type(self).__name__} needs each example's user id: call it as "
+                "rule(gradients, units=ids), or train on pergrad.privacy.UserSampler."
+            )
+        if units is not None and not self.reads_units:
+            raise ValueError(f"{type(self).__name__} reads no unit ids: call it without units=.")
+        outcome = Aggregation.of(
+            self.aggregate(gradients) if units is None else self.aggregate(gradients, units=units)
+        )
+        unknown = [name for name in outcome.reports if name not in self.diagnostics]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not one of {type(self).__name__}.diagnostics.")
+        return outcome
+
+    def call(self, gradients, units=None):
+        """The rule's result on ``gradients`` (:meth:`aggregation`, its batch term added and
+        its state updated from its batch totals; its reports dropped)."""
+        return self.aggregation(gradients, units=units).finish()[0]
 
     def check_batch_size(self, batch_size: int) -> None:
         """Raises a ``ValueError`` naming the rule if it is undefined for this batch size."""
@@ -236,19 +312,14 @@ class Aggregator(keras.layers.Layer):
                 f"{self.min_batch_size} examples, got {batch_size}.{self.batch_size_requirement()}"
             )
 
-    def batch_size_requirement(self) -> str:
-        """Why ``min_batch_size`` is what it is, appended to the batch size error."""
-        return ""
-
-    def aggregate(self, gradients: list) -> list:
-        raise NotImplementedError
+    # -- declarations the engine reads (the protocols and composition set them) --------
 
     def in_protocol_form(self, method: str) -> bool:
-        """Whether this rule's ``method`` (``"aggregate"``, ``"preprocess"``) is the one its
-        protocol derives from its parts (:func:`protocol_form`), so that the engine may
-        compute it from them: the statistics path from ``example_weights`` and
+        """Whether this rule's ``method`` (``"aggregate"``, a step's ``"preprocess"``) is the
+        one its protocol derives from its parts (:func:`protocol_form`), so that the engine
+        may compute it from them: the statistics path from ``example_weights`` and
         ``finalize``, the streaming path variable by variable and from ``row_map``."""
-        return getattr(getattr(type(self), method), "protocol_form", False)
+        return getattr(getattr(type(self), method, None), "protocol_form", False)
 
     def steps_and_rule(self):
         """``(steps, rule)`` when this rule is pre-processing steps followed by another
@@ -256,31 +327,26 @@ class Aggregator(keras.layers.Layer):
         each layer's ``A`` and ``D``; ``None`` (the default) when it is one rule."""
         return None
 
+    def steps_reports(self, reports: list) -> dict:
+        """This composite rule's diagnostics from those of :meth:`steps_and_rule`'s steps and
+        rule (``reports``: one dict each, in order): merged, unless the rule renames them."""
+        return {name: value for part in reports for name, value in part.items()}
+
     def update_allowed(self):
         """A scalar boolean tensor, read before each train step: ``False`` makes the step
         apply no update (a DP rule's budget); ``None`` (the default): always allowed."""
         return None
 
-    # -- as a step of ``chain`` (the protocol: RowMapStep) ------------------------------
+    def group_count(self) -> int | None:
+        """How many contiguous groups of the batch this rule aggregates each on its own before
+        combining the groups' results (``two_level``), or ``None`` (the default).
 
-    def preprocess(self, gradients: list) -> list:
-        """Maps per-example gradients ``(B, ...)`` to ``(B', ...)`` for the next step of a chain.
-
-        Only rules that have a natural per-example form (clipping, bucketing,
-        filtering: :class:`RowMapStep`) implement it.
+        A rule that has a count defines ``aggregate_group(gradients)`` (one group's result)
+        and ``combine_groups(rows, sizes)`` (the result from the groups' results stacked
+        in order and their example counts): with one group per replica, the train step
+        exchanges only the groups' results.
         """
-        raise TypeError(
-            f"{type(self).__name__} is not a pre-processing step: only its aggregate is "
-            "defined. Put it last in chain(...)."
-        )
-
-    def can_preprocess(self) -> bool:
-        """Whether this rule can be a pre-processing step (not last) of a chain."""
-        return type(self).preprocess is not Aggregator.preprocess
-
-    def output_batch_size(self, batch_size: int) -> int:
-        """``B'``: how many rows :meth:`preprocess` returns for ``batch_size`` examples."""
-        return batch_size
+        return None
 
     # -- saving: Keras does not save SeedGenerator states; aggregators do -------------
 
@@ -298,77 +364,7 @@ class Aggregator(keras.layers.Layer):
             if key in seeds:
                 generator.state.assign(store[key])
 
-    def report(self, name: str, value, count=None) -> None:
-        """Records a diagnostic of the current call: the scalar ``value``, or with ``count``
-        the mean ``value / count`` of a sum over ``count`` examples (0 for none).
-
-        A sum and a count are local quantities: where each replica aggregates its own
-        shard, the model's train step sums both over the replicas before dividing
-        (:meth:`pop_reports`), so that the diagnostic describes the whole batch.
-        """
-        if name not in self.diagnostics:
-            raise ValueError(f"{name!r} is not one of {type(self).__name__}.diagnostics.")
-        # Per thread: tf.distribute traces each replica's step in its own thread,
-        # and they take turns at every collective between a report and its pop.
-        self._reports.setdefault(threading.get_ident(), {})[name] = (value, count)
-
-    def pop_reports(self, total=None) -> dict:
-        """The current call's diagnostics by name, forgotten here.
-
-        Args:
-            total: a function that sums a tensor over the replicas whose shards this
-                rule aggregated on its own (the train step's), applied once to all
-                the ``(sum, count)`` reports; ``None``: this call's own values.
-        """
-        reports = self._reports.pop(threading.get_ident(), {})
-        counted = [name for name, (_, count) in reports.items() if count is not None]
-        if counted and total is not None:
-            sums = total(ops.stack([ops.cast(x, "float32") for name in counted for x in reports[name]]))
-            reports.update({name: (sums[2 * k], sums[2 * k + 1]) for k, name in enumerate(counted)})
-        def mean(value, count):
-            if isinstance(count, int):  # (static: no maximum op)
-                return cast(value, "float32") / float(max(count, 1))
-            return value / ops.maximum(ops.cast(count, "float32"), 1.0)
-
-        return {name: value if count is None else mean(value, count)
-                for name, (value, count) in reports.items()}
-
-    def set_batch_term(self, term: list) -> None:
-        """Sets aside ``term`` (aligned with the result) as part of the current call's result
-        that the batch holds once however its examples are split (DP noise).
-        :meth:`finalize` calls it and returns the result without the term: ``__call__``
-        adds it back; the model's train step adds it on one replica of several whose
-        results it sums."""
-        self._batch_terms[threading.get_ident()] = term
-
-    def pop_batch_term(self) -> list | None:
-        """The term :meth:`set_batch_term` set aside in the current call, or ``None``."""
-        return self._batch_terms.pop(threading.get_ident(), None)
-
-    def set_batch_totals(self, sums, update) -> None:
-        """Sets aside ``sums`` (a float tensor of sums over the current call's examples) and
-        ``update``, a function of their totals over the whole batch that updates the rule's
-        state (adaptive clipping's norm, from its count). ``__call__`` calls ``update(sums)``;
-        where each replica aggregates its shard, the model's train step calls it with the
-        sums added over the replicas, so that every replica updates alike."""
-        self._batch_totals[threading.get_ident()] = (sums, update)
-
-    def pop_batch_totals(self):
-        """``(sums, update)`` of :meth:`set_batch_totals` in the current call, or ``None``."""
-        return self._batch_totals.pop(threading.get_ident(), None)
-
-    def group_count(self) -> int | None:
-        """How many contiguous groups of the batch this rule aggregates each on its own before
-        combining the groups' results (``two_level``), or ``None`` (the default).
-
-        A rule that has a count defines ``aggregate_group(gradients)`` (one group's result)
-        and ``combine_groups(rows, sizes)`` (the result from the groups' results stacked
-        in order and their example counts): with one group per replica, the train step
-        exchanges only the groups' results.
-        """
-        return None
-
-    def compute_output_spec(self, gradients):
+    def compute_output_spec(self, gradients, units=None):
         return [keras.KerasTensor(g.shape[1:], g.dtype) for g in gradients]
 
 
@@ -381,6 +377,10 @@ class RowMapStep(Aggregator):
     application, and the streaming path applies the map (composed with the next
     steps' maps) to each layer's input and output gradient instead. A step may be a
     rule of its own too (``clip`` is the mean of the clipped examples).
+
+    Subclasses implement :meth:`row_map`, and :meth:`map_reports` if they report
+    diagnostics, and set :attr:`map_reads_statistics` and :attr:`mixes_examples` where
+    they hold.
     """
 
     #: Whether :meth:`row_map` reads per-example statistics (squared norms).
@@ -394,11 +394,28 @@ class RowMapStep(Aggregator):
         their statistics (``None`` unless :attr:`map_reads_statistics`)."""
         raise NotImplementedError
 
+    def map_reports(self, stats: ExampleStatistics | None, batch_size) -> dict:
+        """The step's diagnostics on a batch with these statistics (those of
+        :meth:`row_map`): ``{}`` unless the step reports any."""
+        return {}
+
+    def can_preprocess(self) -> bool:
+        """Whether this rule can be a pre-processing step (not last) of a chain."""
+        return True
+
+    def output_batch_size(self, batch_size: int) -> int:
+        """``B'``: how many rows :meth:`preprocess` returns for ``batch_size`` examples."""
+        return batch_size
+
     @protocol_form
-    def preprocess(self, gradients):
+    def preprocess(self, gradients) -> list | Aggregation:
+        """Maps per-example gradients ``(B, ...)`` to ``(B', ...)`` for the next step of a
+        chain, with the step's reports (an :class:`Aggregation`): :meth:`row_map` applied."""
         stats = ExampleStatistics.from_gradients(gradients) if self.map_reads_statistics else None
-        rows = self.row_map(stats, batch_size_of(gradients))
-        return [rows.apply(g, k) for k, g in enumerate(gradients)]
+        size = batch_size_of(gradients)
+        rows = self.row_map(stats, size)
+        return Aggregation([rows.apply(g, k) for k, g in enumerate(gradients)],
+                           reports=self.map_reports(stats, size))
 
 
 @serializable
@@ -406,9 +423,10 @@ class WeightedAggregator(Aggregator):
     """Rules whose result is ``sum_i w_i g_i`` with weights from statistics.
 
     Subclasses implement :meth:`example_weights` and may override
-    :meth:`finalize` (e.g. to set aside noise, :meth:`~Aggregator.set_batch_term`), which
-    receives the weighted sum and the same statistics, so that no state passes between
-    the two calls. With only statistics needed, a fast
+    :meth:`finalize`, which receives the weighted sum and the same statistics (so that no
+    state passes between the two calls) and may return an :class:`Aggregation` of the
+    result: the rule's diagnostics from the statistics, DP noise as its ``batch_term``.
+    With only statistics needed, a fast
     engine can compute the result without materializing per-example gradients:
     ``sum_i w_i g_i`` is the gradient of ``sum_i w_i L_i`` with ``w`` fixed.
     """
@@ -442,13 +460,14 @@ class WeightedAggregator(Aggregator):
         """Returns weights of shape ``(B,)`` or ``(B, V)`` (one per variable)."""
         raise NotImplementedError
 
-    def finalize(self, result: list, stats: ExampleStatistics) -> list:
-        """The result from ``sum_i w_i g_i`` and the statistics the weights came from."""
+    def finalize(self, result: list, stats: ExampleStatistics) -> list | Aggregation:
+        """The result from ``sum_i w_i g_i`` and the statistics the weights came from (or an
+        :class:`Aggregation` of it)."""
         return result
 
     @protocol_form
-    def aggregate(self, gradients):
-        stats = ExampleStatistics.from_gradients(gradients, gram=self.needs_gram)
+    def aggregate(self, gradients, units=None):
+        stats = ExampleStatistics.from_gradients(gradients, gram=self.needs_gram, units=units)
         return self.finalize(weighted_sum(gradients, self.example_weights(stats)), stats)
 
 
@@ -478,10 +497,19 @@ class ScaledMean(RowMapStep, WeightedAggregator):
     def row_map(self, stats, batch_size):
         return RowMap.scaling(self.example_scales(stats))
 
+    def finalize(self, result, stats):
+        # As the last rule, its reports are those it makes as a step.
+        reports = self.map_reports(stats, stats.batch_size)
+        return Aggregation(result, reports=reports) if reports else result
+
 
 @serializable
 class CoordinateAggregator(Aggregator):
-    """Rules applied to one variable at a time: ``(B, ...) -> (...)``."""
+    """Rules applied to one variable at a time: ``(B, ...) -> (...)``.
+
+    Subclasses implement :meth:`aggregate_variable` and set :attr:`coordinatewise` where it
+    holds; the streaming path then aggregates one variable at a time.
+    """
 
     kind = COORDINATE
     #: Whether each coordinate's result depends on that coordinate's ``B`` values

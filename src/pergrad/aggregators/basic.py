@@ -12,6 +12,7 @@ from pergrad.aggregators.base import (
     LOCAL_SUM,
     CoordinateAggregator,
     ExampleStatistics,
+    MeanOf,
     ScaledMean,
     WeightedAggregator,
     protocol_form,
@@ -168,15 +169,20 @@ class Clip(ScaledMean):
         self.l2_norm = check_number("clip", "l2_norm", l2_norm, low=0.0, low_open=True)
         self.per_layer = per_layer
 
+    def _norms(self, stats: ExampleStatistics):
+        return as_float32(stats.norms if self.per_layer else stats.flat_norms)
+
     def clip_factors(self, stats: ExampleStatistics):
-        norms = as_float32(stats.norms if self.per_layer else stats.flat_norms)
-        factors, clipped = _factors_and_count(norms, self.l2_norm)
-        # A sum and a count: on several replicas the train step sums both (the whole batch's).
-        self.report("clipped_fraction", clipped, count=_size(norms))
-        return factors
+        """``min(1, l2_norm / norm)`` of each example (of each variable's, ``per_layer``)."""
+        return _factors_and_count(self._norms(stats), self.l2_norm)[0]
 
     def example_scales(self, stats: ExampleStatistics):
         return self.clip_factors(stats)
+
+    def map_reports(self, stats, batch_size):
+        norms = self._norms(stats)
+        # A sum and a count: on several replicas the train step sums both (the whole batch's).
+        return {"clipped_fraction": MeanOf(_factors_and_count(norms, self.l2_norm)[1], _size(norms))}
 
     def get_config(self):
         return {**super().get_config(), "l2_norm": self.l2_norm, "per_layer": self.per_layer}

@@ -24,6 +24,7 @@ from pergrad import compat
 from pergrad.aggregators.base import (
     COORDINATE,
     STATISTICS,
+    Aggregation,
     Aggregator,
     CoordinateAggregator,
     ExampleStatistics,
@@ -58,6 +59,13 @@ def _multiply_weights(first, second):
     if len(first.shape) == 1:
         return first[:, None] * second
     return first * second[:, None]
+
+
+def _composed(rule: Aggregator, step_reports: list, final: Aggregation) -> Aggregation:
+    """``final`` (the last rule's aggregation) with ``rule``'s diagnostics: its steps'
+    (``step_reports``, in order) and the last rule's, as ``rule`` names them."""
+    reports = rule.steps_reports([*step_reports, final.reports])
+    return Aggregation(final.gradients, reports, final.batch_term, final.batch_totals)
 
 
 def _chain_class(steps) -> type:
@@ -116,7 +124,7 @@ class Chain(Aggregator):
             _refuse_private(step, "chain(...)")
         # So a chain is never private (Aggregator.differentially_private = False).
         for step in steps[:-1]:
-            if not step.can_preprocess():
+            if not (isinstance(step, RowMapStep) and step.can_preprocess()):
                 raise ValueError(
                     f"{type(step).__name__} cannot be a pre-processing step of chain: only "
                     "clip, automatic_clip, norm_filter(drop_fraction=...) and bucketing(size) "
@@ -143,12 +151,13 @@ class Chain(Aggregator):
     def _smallest_batch(self, limit: int = 1_000_000) -> int:
         for batch_size in range(1, limit):
             size = batch_size
-            for step in self.steps:
+            for step in self.steps[:-1]:
                 if size < step.min_batch_size:
                     break
                 size = step.output_batch_size(size)
             else:
-                return batch_size
+                if size >= self.steps[-1].min_batch_size:
+                    return batch_size
         raise ValueError(f"No batch size below {limit} satisfies every step of the chain.")
 
     def batch_size_requirement(self):
@@ -166,16 +175,17 @@ class Chain(Aggregator):
         return list(self.steps[:-1]), self.steps[-1]
 
     def aggregate(self, gradients):
+        reports = []
         for step in self.steps[:-1]:
-            gradients = step.preprocess(gradients)
-        return self.steps[-1](gradients)
+            mapped = Aggregation.of(step.preprocess(gradients))
+            gradients = mapped.gradients
+            reports.append(mapped.reports)
+        return _composed(self, reports, self.steps[-1].aggregation(gradients))
 
-    def pop_reports(self, total=None):
-        reports = super().pop_reports(total)
-        for step, renames in zip(self.steps, self._report_names):
-            for name, value in step.pop_reports(total).items():
-                reports[renames[name]] = value
-        return reports
+    def steps_reports(self, reports):
+        # One dict per step, in order: a name two steps report is step<i>_<name>.
+        return {renames[name]: value for renames, part in zip(self._report_names, reports)
+                for name, value in part.items()}
 
     def get_config(self):
         return {
@@ -222,9 +232,13 @@ class WeightedChain(Chain, WeightedAggregator):
         return weights if scales is None else _multiply_weights(scales, weights)
 
     def finalize(self, result, stats):
-        # The chain's input statistics: no final rule of a chain reads them here
-        # (DP rules, whose noise does, are refused in chains).
-        return self.steps[-1].finalize(result, stats)
+        # Each step's reports from the statistics it scales (as example_weights), the final
+        # rule's from the rescaled ones (DP rules, whose noise reads them, are refused).
+        reports = []
+        for step in self.steps[:-1]:
+            reports.append(step.map_reports(stats, stats.batch_size))
+            stats = stats.scaled_by(step.example_scales(stats))
+        return _composed(self, reports, Aggregation.of(self.steps[-1].finalize(result, stats)))
 
 
 @serializable
@@ -331,13 +345,8 @@ class Bucketing(RowMapStep):
                 "bucketing(size) without an aggregator is a pre-processing step: use "
                 "bucketing(size, aggregator) or chain(bucketing(size), aggregator)."
             )
-        return self.aggregator(self.preprocess(gradients))
-
-    def pop_reports(self, total=None):
-        reports = super().pop_reports(total)
-        if self.aggregator is not None:
-            reports.update(self.aggregator.pop_reports(total))
-        return reports
+        buckets = Aggregation.of(self.preprocess(gradients))
+        return _composed(self, [buckets.reports], self.aggregator.aggregation(buckets.gradients))
 
     def get_config(self):
         aggregator = self.aggregator
@@ -472,9 +481,7 @@ class TwoLevel(Aggregator):
         self.built = True
 
     def _local(self, gradients) -> list:
-        result = list(self.local(gradients))
-        self.local.pop_reports()  # one per group: not reported
-        return result
+        return self.local.aggregation(gradients).finish()[0]  # one per group: not reported
 
     def aggregate(self, gradients):
         batch_size = ops.shape(gradients[0])[0]
@@ -485,7 +492,7 @@ class TwoLevel(Aggregator):
                     results.append(self._local([g[start : start + size] for g in gradients]))
                 start += size
             rows = [ops.stack([r[k] for r in results]) for k in range(len(gradients))]
-            return self.across(rows)
+            return self.across.aggregation(rows)
         # An unknown batch size (TensorFlow retraces a smaller last batch): every group
         # computed, an empty one on a stand-in row; the non-empty ones come first.
         rows_per = ops.maximum((batch_size + self.groups - 1) // self.groups, 1)
@@ -497,7 +504,8 @@ class TwoLevel(Aggregator):
         count = (batch_size + rows_per - 1) // rows_per
         stacked = [ops.stack([r[k] for r in results]) for k in range(len(gradients))]
         smallest = batch_size - (count - 1) * rows_per  # the last non-empty group
-        return self.across(self._checked([row_range(v, 0, count) for v in stacked], smallest, count))
+        return self.across.aggregation(self._checked([row_range(v, 0, count) for v in stacked], smallest,
+                                                     count))
 
     def _checked(self, rows, smallest, count):
         """``rows`` made to wait for a run-time check that the smallest non-empty group
@@ -524,7 +532,7 @@ class TwoLevel(Aggregator):
         padded = [ops.concatenate([g, ops.zeros((1,) + tuple(g.shape[1:]), g.dtype)]) for g in gradients]
         return self._local([row_range(g, 0, ops.maximum(size, 1)) for g in padded])
 
-    def combine_groups(self, rows, sizes) -> list:
+    def combine_groups(self, rows, sizes) -> Aggregation:
         """``across`` on the non-empty groups' results.
 
         Args:
@@ -538,12 +546,7 @@ class TwoLevel(Aggregator):
         count = ops.sum(ops.cast(nonempty, "int32"))
         smallest = ops.min(ops.where(nonempty, sizes, ops.max(sizes)))
         rows = [row_range(ops.take(r, order, axis=0), 0, count) for r in rows]
-        return self.across(self._checked(rows, smallest, count))
-
-    def pop_reports(self, total=None):
-        reports = super().pop_reports(total)
-        reports.update(self.across.pop_reports(total))
-        return reports
+        return self.across.aggregation(self._checked(rows, smallest, count))
 
     def get_config(self):
         return {

@@ -20,6 +20,7 @@ from keras import ops
 
 from pergrad.aggregators import selection
 from pergrad.aggregators.base import (
+    Aggregation,
     Aggregator,
     CoordinateAggregator,
     ExampleStatistics,
@@ -157,8 +158,10 @@ class Krum(WeightedAggregator):
                 - (_float(farthest) - ops.sum(_float(distances > cut), axis=1)))
         scores = nearer + ops.where(ties > 0, cut[:, 0] * ties, 0.0)
         selected = _float(_ranks(scores) < self.select)
-        self.report("selected_fraction", self.select / _float(batch_size))
         return selected / float(self.select)
+
+    def finalize(self, result, stats):
+        return Aggregation(result, reports={"selected_fraction": self.select / _float(stats.batch_size)})
 
     def get_config(self):
         return {**super().get_config(), "byzantine": self.byzantine, "select": self.select}
@@ -262,10 +265,9 @@ class CenteredClip(Aggregator):
             factors, norms = clip_factors(ExampleStatistics.from_gradients(deviations), self.tau)
             steps = weighted_sum(deviations, factors / batch_size)
             center = [c + s for c, s in zip(center, steps)]
-        self.report("clipped_fraction", ops.mean(_float(norms > self.tau)))
         for variable, value in zip(self.center, center):
             variable.assign(ops.cast(value, variable.dtype))
-        return center
+        return Aggregation(center, reports={"clipped_fraction": ops.mean(_float(norms > self.tau))})
 
     def get_config(self):
         return {**super().get_config(), "tau": self.tau, "iters": self.iters}
@@ -340,8 +342,13 @@ class NormFilter(RowMapStep, WeightedAggregator):
         else:
             batch_size = stats.batch_size
             kept = _ranks(norms) < batch_size - _count(self.drop_fraction, batch_size)
-        self.report("rejected_fraction", 1.0 - ops.mean(_float(kept)))
         return kept
+
+    def map_reports(self, stats, batch_size):
+        return {"rejected_fraction": 1.0 - ops.mean(_float(self._kept(stats)))}
+
+    def finalize(self, result, stats):
+        return Aggregation(result, reports=self.map_reports(stats, stats.batch_size))
 
     def example_weights(self, stats: ExampleStatistics):
         kept = _float(self._kept(stats))
@@ -366,7 +373,6 @@ class NormFilter(RowMapStep, WeightedAggregator):
     map_reads_statistics = True
 
     def row_map(self, stats, batch_size):
-        self._kept(stats)
         kept = ops.sort(ops.argsort(stats.flat_norms)[: batch_size - _count(self.drop_fraction, batch_size)])
         return RowMap(ops.cast(kept, "int32")[:, None])
 

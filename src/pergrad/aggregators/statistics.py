@@ -33,12 +33,15 @@ class ExampleStatistics:
             ``None`` when the aggregator did not ask for it (not rescaled: an
             example whose squared norm overflows has infinite entries).
         scale: ``(B, V)`` positive factors, or ``None`` (all one).
+        units: ``(B,)`` integer ids of each example's privacy unit (its user), for a
+            rule that ``reads_units`` (user-level DP); else ``None``.
     """
 
-    def __init__(self, squared_norms, gram=None, *, scale=None):
+    def __init__(self, squared_norms, gram=None, *, scale=None, units=None):
         self.scaled_squared_norms = squared_norms
         self.gram = gram
         self.scale = scale
+        self.units = units
 
     def __repr__(self) -> str:
         # Shapes only: the values may be symbolic (inside a traced step).
@@ -94,7 +97,9 @@ class ExampleStatistics:
         if gram is not None:
             gram = ops.take(ops.take(gram, rows, axis=0), rows, axis=1)
         scale = None if self.scale is None else ops.take(self.scale, rows, axis=0)
-        return ExampleStatistics(ops.take(self.scaled_squared_norms, rows, axis=0), gram, scale=scale)
+        units = None if self.units is None else ops.take(self.units, rows, axis=0)
+        return ExampleStatistics(ops.take(self.scaled_squared_norms, rows, axis=0), gram, scale=scale,
+                                 units=units)
 
     def scaled_by(self, factors) -> ExampleStatistics:
         """The statistics of ``f_i g_i`` (``(B,)`` factors, Gram matrix kept) or of
@@ -107,16 +112,17 @@ class ExampleStatistics:
             factors = factors[:, None]
         # Into the scale, not the squared norms: a clip factor of 1e-19 squared underflows.
         scale = ops.ones_like(self.scaled_squared_norms) if self.scale is None else self.scale
-        return ExampleStatistics(self.scaled_squared_norms, gram, scale=scale * ops.abs(factors))
+        return ExampleStatistics(self.scaled_squared_norms, gram, scale=scale * ops.abs(factors),
+                                 units=self.units)
 
     @classmethod
-    def from_gradients(cls, gradients, gram: bool = False) -> ExampleStatistics:
+    def from_gradients(cls, gradients, gram: bool = False, units=None) -> ExampleStatistics:
         flat = [example_rows(g) for g in gradients]
         squared_norms, scale = squared_norms_of_rows(flat)
         gram_matrix = None
         if gram:
             gram_matrix = sum(ops.matmul(f, ops.transpose(f)) for f in flat)
-        return cls(squared_norms, gram_matrix, scale=scale)
+        return cls(squared_norms, gram_matrix, scale=scale, units=units)
 
 
 def row_scales(tensor):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from pergrad.aggregators.base import WHOLE_BATCH
+from pergrad.aggregators.base import WHOLE_BATCH, Aggregation
 from pergrad.backend import adapter
 from pergrad.distributed import layouts, processes
 from pergrad.engine.collectives import Collectives
@@ -245,9 +245,10 @@ class GatheredReplicas(Replicas):
     def all_true(self, flag):
         return all_true(flag)
 
-    def apply_rule(self, aggregator, per_example) -> list:
+    def apply_rule(self, aggregator, per_example, units=None):
         if aggregator.group_count() == count():
             # One group per replica: only the R groups' results are exchanged.
-            return [first_replica(g) for g in combine_groups(aggregator, per_example)]
-        per_example = [gather(g) for g in per_example]  # every replica runs the rule on the whole batch
-        return [first_replica(g) for g in aggregator(per_example, batch_term=False)]
+            outcome = Aggregation.of(combine_groups(aggregator, per_example))
+        else:  # every replica runs the rule on the whole batch
+            outcome = aggregator.aggregation([gather(g) for g in per_example])
+        return outcome.with_gradients([first_replica(g) for g in outcome.gradients])

@@ -35,6 +35,7 @@ from keras import ops, tree
 from pergrad.aggregators.base import (
     LOCAL_MEAN,
     STATISTICS,
+    Aggregation,
     ExampleStatistics,
     WeightedAggregator,
     squared_norms_of_rows,
@@ -144,6 +145,7 @@ def aggregate(
     microbatch_size: int = 1,
     loss_scale=None,
     collectives=ONE_DEVICE,
+    units=None,
 ):
     """``aggregator``'s result over the batch, computed ``microbatch_size`` examples at a time.
 
@@ -155,11 +157,14 @@ def aggregate(
         microbatch_size: examples per chunk.
         loss_scale: a ``LossScaleOptimizer``'s scale, or ``None``.
         collectives: where the batch starts in the whole batch (each example's random stream).
+        units: each example's unit id, for a rule that reads them (the statistics'
+            ``units``), or ``None``.
 
     Returns:
         ``(result, aux)`` as :meth:`PerExampleProblem.compute` would give with
-        ``aggregator`` applied to its gradients: ``result`` aligned with the
-        trainable variables (unscaled), ``aux`` with the whole batch's ``loss``,
+        ``aggregator`` applied to its gradients: ``result`` the rule's
+        :class:`~pergrad.aggregators.base.Aggregation` (its gradients aligned with the
+        trainable variables, unscaled), ``aux`` with the whole batch's ``loss``,
         ``y_pred``, ``mask`` (masked outputs) and advanced ``seeds``.
     """
     if not supports(aggregator):
@@ -239,10 +244,10 @@ def aggregate(
     if one_pass:
         if aggregator.distribution == LOCAL_MEAN:  # 1 / B
             gradient_constant = gradient_constant / ops.cast(batch_size, "float32")
-        result = [
+        result = Aggregation([
             ops.reshape(s * ops.cast(gradient_constant, s.dtype), shape)
             for s, shape in zip(sums, shapes)
-        ]
+        ])
     else:
         gram = None
         if aggregator.needs_gram:
@@ -258,7 +263,8 @@ def aggregate(
 
             gram = chunks.loop(gram_rows, ops.zeros(()))[1]
             gram = gram * gradient_scale[:, None] * gradient_scale[None, :]
-        stats = ExampleStatistics(out["squared_norms"], gram, scale=out["scale"] * gradient_scale[:, None])
+        stats = ExampleStatistics(out["squared_norms"], gram, scale=out["scale"] * gradient_scale[:, None],
+                                  units=units)
         weights = ops.cast(aggregator.example_weights(stats), "float32")
         if len(weights.shape) == 1:
             weights = weights * gradient_scale
@@ -272,7 +278,9 @@ def aggregate(
             return accumulate(sums, rows, per_variable), ops.zeros_like(item["present"])
 
         sums = chunks.loop(second_pass, zeros, extra=weights)[0]
-        result = aggregator.finalize([ops.reshape(s, shape) for s, shape in zip(sums, shapes)], stats)
+        result = Aggregation.of(
+            aggregator.finalize([ops.reshape(s, shape) for s, shape in zip(sums, shapes)], stats)
+        )
 
     aux = {
         "loss": out["loss"] * ops.cast(example_scale, out["loss"].dtype),

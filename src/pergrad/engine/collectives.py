@@ -19,7 +19,7 @@ class Collectives:
     #: How many devices a coordinate rule's variables are split over (round robin).
     parts = 1
     #: Sums a tensor over the parts of the batch that the rule aggregated one by one,
-    #: or ``None`` where the rule saw the whole batch (``Aggregator.pop_reports``' ``total``).
+    #: or ``None`` where the rule saw the whole batch (``Aggregation.finish``'s ``total``).
     part_sum = None
 
     # -- the engine ------------------------------------------------------------------
@@ -67,9 +67,10 @@ class Collectives:
         """The loss scale the backward pass uses (``None`` without one)."""
         return loss_scale
 
-    def apply_rule(self, aggregator, per_example) -> list:
-        """The rule on the per-example gradients, its batch term left out."""
-        return aggregator(per_example, batch_term=False)
+    def apply_rule(self, aggregator, per_example, units=None):
+        """The rule's :class:`~pergrad.aggregators.base.Aggregation` of the per-example
+        gradients (``units``: each example's unit id, for a rule that reads them)."""
+        return aggregator.aggregation(per_example, units=units)
 
     def once(self, value):
         """``value``, to be counted once in the result of every device."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 from keras import ops
 
 from pergrad import compat
-from pergrad.aggregators.base import LOCAL_SUM, ExampleStatistics
+from pergrad.aggregators.base import LOCAL_SUM, Aggregation, ExampleStatistics
 from pergrad.backend import adapter
 from pergrad.engine.capture import capture, grad_with_aux, has_convolutions, weighted_losses
 from pergrad.engine.collectives import ONE_DEVICE
@@ -157,7 +157,7 @@ def _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, b
         else:  # (no op: each costs on an eager backend)
             aux["batch_mean"] = [as_float32(g) for g in result]
     stats = ExampleStatistics(ops.zeros((batch_size, len(variables)), "float32"))
-    return aggregator.finalize(result, stats), aux
+    return Aggregation.of(aggregator.finalize(result, stats)), aux
 
 
 def _unscale(example_loss_scale):
@@ -210,11 +210,12 @@ def _whole_batch_plan(problem, trainable_values, batched, shared):
 
 
 def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=None,
-              sample_weight=None, loss_scale=None, collectives=ONE_DEVICE, keep_layers=False):
+              sample_weight=None, loss_scale=None, collectives=ONE_DEVICE, keep_layers=False, units=None):
     """A statistics rule's result over the batch, without per-example gradients of the model.
 
     Args and returns as :func:`pergrad.engine.chunked.aggregate`: ``(result, aux)``,
-    ``result`` aligned with the trainable variables (unscaled), ``aux`` with each
+    ``result`` the rule's :class:`~pergrad.aggregators.base.Aggregation` (its gradients
+    aligned with the trainable variables, unscaled), ``aux`` with each
     example's ``loss``, ``y_pred``, ``mask`` (masked outputs) and advanced ``seeds``.
     ``collectives`` (:class:`~pergrad.engine.collectives.Collectives`): the weights come
     from the statistics of the batch the rule sees (``gather``: the norms; for a Gram
@@ -242,7 +243,7 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         if inverse is not None:
             grads = [g * ops.cast(inverse, g.dtype) for g in grads]
         result = [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
-        return aggregator.finalize(result, stats), finish_aux(problem, aux, non_trainable)
+        return Aggregation.of(aggregator.finalize(result, stats)), finish_aux(problem, aux, non_trainable)
     layers, aux = layers_of(problem, trainable_values, batched, shared, batch_size, inverse)
     norms, scale = layers.squared_norms(batch_size)
     if getattr(aggregator, "differentially_private", False):
@@ -255,13 +256,13 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
             scale = ops.where(keep[:, None], scale, ops.ones_like(scale))
     norms, scale = collectives.gather(norms), map_optional(collectives.gather, scale)
     gram = collectives.whole_batch(layers).gram(ops.shape(norms)[0]) if aggregator.needs_gram else None
-    stats = ExampleStatistics(norms, gram, scale=scale)
+    stats = ExampleStatistics(norms, gram, scale=scale, units=units)
     weights = ops.stop_gradient(aggregator.example_weights(stats))
     result = layers.weighted_sums(collectives.own_rows(weights, batch_size), variables)
     out = finish_aux(problem, aux, non_trainable)
     if keep_layers:
         out["layers"] = layers
-    return aggregator.finalize(result, stats), out
+    return Aggregation.of(aggregator.finalize(result, stats)), out
 
 
 def statistics(problem, trainable_values, non_trainable_values, x, y=None, sample_weight=None,

@@ -24,7 +24,7 @@ import math
 
 from keras import ops
 
-from pergrad.aggregators.base import COORDINATE, ExampleStatistics
+from pergrad.aggregators.base import COORDINATE, Aggregation, ExampleStatistics
 from pergrad.backend import eager, optional_kernel
 from pergrad.engine import statistics
 from pergrad.engine.collectives import ONE_DEVICE
@@ -88,6 +88,17 @@ def _takes_factors(final) -> bool:
             and optional_kernel("outer_rank_sums") is not None)
 
 
+def _reports(aggregator, step_reports: list) -> dict:
+    """``aggregator``'s diagnostics from those of :func:`plan`'s steps (``step_reports``, in
+    order), as each composite rule names its steps' (``steps_reports``)."""
+    parts = aggregator.steps_and_rule()
+    if parts is None:  # the final rule: a coordinate rule reports nothing variable by variable
+        return {}
+    outer, last = parts
+    inner = _reports(last, step_reports[len(outer):])
+    return aggregator.steps_reports([*step_reports[:len(outer)], inner])
+
+
 def supports(aggregator) -> bool:
     """Whether the streaming path can run ``aggregator`` (see :func:`plan`)."""
     return plan(aggregator) is not None
@@ -102,7 +113,8 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     variable's coordinates), a ``Dense`` kernel is formed and aggregated in
     ``ceil(B / m)`` blocks of input features: about ``m`` x its size at once.
 
-    Returns ``(result, aux)`` as :func:`pergrad.engine.statistics.aggregate`, with
+    Returns ``(result, aux)`` as :func:`pergrad.engine.statistics.aggregate` (the steps'
+    diagnostics in ``result.reports``), with
     ``aux["finite"]``: whether every per-example gradient was finite (the step
     makes the update NaN otherwise, as on the materialized path). ``collectives``
     (:class:`~pergrad.engine.collectives.Collectives`): each layer's ``A`` and ``D`` over
@@ -127,7 +139,7 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     if final.coordinatewise:  # a Dense kernel in at least one part per device
         pieces = max(pieces, collectives.parts)
     finite = []
-    stats, rows, size = None, None, batch_size
+    stats, rows, size, step_reports = None, None, batch_size, []
     if any(step.map_reads_statistics for step in steps):
         norms, scale = layers.squared_norms(batch_size)
         stats = ExampleStatistics(norms, scale=scale)
@@ -136,6 +148,7 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
         finite.append(ops.all(stats.finite))
     for step in steps:
         mapping = step.row_map(stats, size)
+        step_reports.append(step.map_reports(stats, size))
         stats = None if stats is None else mapping.statistics(stats)
         rows = mapping if rows is None else rows.then(mapping)
         if mapping.order is not None:
@@ -155,7 +168,7 @@ def aggregate(problem, aggregator, trainable_values, non_trainable_values, x, y=
     result = [p[0] if len(p) == 1 else ops.concatenate(p, axis=0) for p in parts]
     aux = statistics.finish_aux(problem, aux, non_trainable)
     aux["finite"] = collectives.all_true(ops.all(ops.stack(finite)))
-    return result, aux
+    return Aggregation(result, reports=_reports(aggregator, step_reports)), aux
 
 
 def _aggregate_part(final, variables, piece, k, gradients, collectives, covered, finite, parts):

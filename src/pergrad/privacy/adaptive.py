@@ -33,7 +33,7 @@ import math
 import keras
 from keras import ops
 
-from pergrad.aggregators.base import ExampleStatistics, serializable
+from pergrad.aggregators.base import Aggregation, BatchTotals, ExampleStatistics, serializable
 from pergrad.arguments import check_number
 from pergrad.privacy import noise
 from pergrad.privacy.dp_sgd import DPGaussian
@@ -199,13 +199,14 @@ class AdaptiveDPGaussian(DPGaussian):
         super().load_own_variables(store)
         self.l2_norm_clip_state.assign(store["l2_norm_clip"])
 
-    def finalize(self, result: list, stats: ExampleStatistics) -> list:
-        """The gradient's noise at the current ``C`` (:meth:`DPGaussian.finalize`), then the
-        noised count and the next step's ``C``."""
+    def finalize(self, result: list, stats: ExampleStatistics) -> Aggregation:
+        """The gradient's noise at the current ``C`` (:meth:`DPGaussian.finalize`), and the
+        count of unclipped examples as the batch's totals, from which the next step's ``C``
+        follows (:class:`~pergrad.aggregators.base.BatchTotals`)."""
         # Read into tensors before any assignment (a TF or torch variable's value follows it).
         step = ops.convert_to_tensor(self.step_count.value)
         clip = ops.copy(self.current_l2_norm_clip())
-        result = super().finalize(result, stats)
+        outcome = super().finalize(result, stats)
         norms = ops.cast(stats.flat_norms, "float32")
         centred = ops.where(norms > 0, ops.cast(norms <= clip, "float32") - 0.5, 0.0)
 
@@ -220,11 +221,10 @@ class AdaptiveDPGaussian(DPGaussian):
             updated = clip * ops.exp(-self.learning_rate * (estimate - self.target_quantile))
             counted = ops.logical_and(ops.less(step, self.step_limit.value), ops.less(step, COUNT_STREAM))
             self.l2_norm_clip_state.assign(ops.where(counted, updated, clip))
-            self.report("l2_norm_clip", clip)
-            self.report("unclipped_fraction", ops.where(counted, estimate, float("nan")))
+            return {"l2_norm_clip": clip, "unclipped_fraction": ops.where(counted, estimate, float("nan"))}
 
-        self.set_batch_totals(ops.sum(centred), update)
-        return result
+        return Aggregation(outcome.gradients, outcome.reports, outcome.batch_term,
+                           BatchTotals(ops.sum(centred), update))
 
     def get_config(self):
         config = super().get_config()

@@ -24,13 +24,16 @@ from keras import ops
 from pergrad.aggregators.base import (
     LOCAL_MEAN,
     LOCAL_SUM,
+    Aggregation,
     ExampleStatistics,
+    MeanOf,
     WeightedAggregator,
     serializable,
 )
 from pergrad.aggregators.basic import clip_factors
 from pergrad.arguments import check_number
 from pergrad.privacy import noise
+from pergrad.tensors import as_float32
 
 #: ``DPGaussian.step_limit`` without a budget.
 UNLIMITED_STEPS = 2**31 - 1
@@ -275,25 +278,29 @@ class DPGaussian(WeightedAggregator):
             return ops.convert_to_tensor(self.expected_batch_size, "float32")
         return ops.cast(stats.batch_size, "float32")
 
-    def clip_factors(self, stats: ExampleStatistics):
-        """``min(1, threshold / norm)``: ``(B,)`` flat, ``(B, V)`` per layer (clip's factors,
-        :func:`~pergrad.aggregators.basic.clip_factors`, to ``C`` or ``C / sqrt(V)``)."""
+    def _threshold(self, stats: ExampleStatistics):
+        """``C``, or ``C / sqrt(V)`` per layer."""
         threshold = self.current_l2_norm_clip()
         if self.per_layer:
             threshold /= math.sqrt(stats.scaled_squared_norms.shape[1])
-        factors, norms = clip_factors(stats, threshold, self.per_layer)
-        # Padding rows (weight 0) have zero gradient: leave them out of the
-        # diagnostics so that they describe the real examples.
-        if self.log_diagnostics:
-            flat_norms = ops.cast(stats.flat_norms, "float32")
-            clipped = ops.any(norms > threshold, axis=1) if self.per_layer else norms > threshold
-            present = ops.cast(flat_norms > 0, "float32")
-            # Sums and counts: on several replicas the train step sums them (the whole batch's).
-            count = ops.sum(present)
-            self.report("clipped_fraction", ops.sum(ops.cast(clipped, "float32") * present), count=count)
-            self.report("gradient_norm", ops.sum(ops.where(present > 0, flat_norms, 0.0)), count=count)
+        return threshold
+
+    def clip_factors(self, stats: ExampleStatistics):
+        """``min(1, threshold / norm)``: ``(B,)`` flat, ``(B, V)`` per layer (clip's factors,
+        :func:`~pergrad.aggregators.basic.clip_factors`, to ``C`` or ``C / sqrt(V)``)."""
+        factors, _ = clip_factors(stats, self._threshold(stats), self.per_layer)
         # A NaN norm gives factor 0 (an infinite one does already): that example adds nothing.
         return ops.where(ops.isnan(factors), 0.0, factors)
+
+    def clip_reports(self, stats: ExampleStatistics) -> dict:
+        """The diagnostics ``clipped_fraction`` and ``gradient_norm`` of a batch with these
+        statistics: means over the examples, as sums and counts (on several replicas the
+        train step sums them: the whole batch's)."""
+        threshold = self._threshold(stats)
+        norms = as_float32(stats.norms if self.per_layer else stats.flat_norms)
+        flat_norms = ops.cast(stats.flat_norms, "float32")
+        clipped = ops.any(norms > threshold, axis=1) if self.per_layer else norms > threshold
+        return clipping_reports(clipped, flat_norms, flat_norms)
 
     def example_weights(self, stats: ExampleStatistics):
         return self.clip_factors(stats) / self._denominator(stats)
@@ -306,14 +313,17 @@ class DPGaussian(WeightedAggregator):
         """``size`` standard normal values for step ``step``, a pure function of (key, step)."""
         return noise.gaussian_noise(self._key(), step, size, 1.0)
 
-    def finalize(self, result: list, stats: ExampleStatistics) -> list:
-        """Counts the step and draws its noise, set aside as the batch's term
-        (:meth:`~pergrad.aggregators.Aggregator.set_batch_term`): calling the rule adds it;
+    def finalize(self, result: list, stats: ExampleStatistics) -> Aggregation:
+        """Counts the step and draws its noise, returned as the batch's term
+        (:attr:`~pergrad.aggregators.Aggregation.batch_term`): calling the rule adds it;
         on several replicas the train step adds it on replica 0 only (every replica has
-        the same key and step), so that the replicas' sum holds one noise."""
+        the same key and step), so that the replicas' sum holds one noise. With
+        ``diagnostics``, reports :meth:`clip_reports`."""
+        reports = self.clip_reports(stats) if self.log_diagnostics else {}
         # The step read into a tensor before the increment: the noise of the step it counts
         # (a TF or torch variable's value would otherwise follow the assignment).
         step = ops.convert_to_tensor(self.step_count.value)
+        term = None
         if self.noise_multiplier > 0:
             denominator = self._denominator(stats)  # the weights' denominator
             # One draw for all variables. The scale enters the generator: its last rounding
@@ -326,10 +336,9 @@ class DPGaussian(WeightedAggregator):
                 part = ops.reshape(values[start : start + size], gradient.shape)
                 term.append(ops.cast(part, gradient.dtype))
                 start += size
-            self.set_batch_term(term)
         # A step past the budget's limit is not applied (update_allowed), nor counted.
         self.step_count.assign(step + ops.cast(ops.less(step, self.step_limit.value), "int32"))
-        return result
+        return Aggregation(result, reports=reports, batch_term=term)
 
     def get_config(self):
         return {
@@ -341,6 +350,18 @@ class DPGaussian(WeightedAggregator):
             "seed": self.seed,
             "diagnostics": self.log_diagnostics,
         }
+
+
+def clipping_reports(clipped, norms, flat_norms) -> dict:
+    """``clipped_fraction`` and ``gradient_norm``, the means of ``clipped`` and ``norms``
+    (``(B,)``) over the examples whose gradient is not zero (``flat_norms > 0``): padding
+    rows (weight 0) are left out, so that the diagnostics describe the real examples."""
+    present = ops.cast(flat_norms > 0, "float32")
+    count = ops.sum(present)
+    return {
+        "clipped_fraction": MeanOf(ops.sum(ops.cast(clipped, "float32") * present), count),
+        "gradient_norm": MeanOf(ops.sum(ops.where(present > 0, norms, 0.0)), count),
+    }
 
 
 def dp_gaussian(

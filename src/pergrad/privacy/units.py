@@ -28,8 +28,9 @@ user: no ``B x P`` tensor.
 **The channel.** A :class:`UserSampler` batch's ``x`` is
 ``{"pergrad_inputs": inputs, "pergrad_units": ids}``
 (``pergrad.aggregators.base.UNIT_INPUTS``, ``UNIT_IDS``); ``PerExampleModel``'s train step
-takes the ids out before anything reads ``x`` and hands them to the rule
-(:meth:`UserLevelDPGaussian.set_units`): the network never sees them. A
+takes the ids out before anything reads ``x`` and passes them to the rule (the
+statistics' ``units``, :attr:`~pergrad.aggregators.ExampleStatistics.units`): the
+network never sees them. A
 user-level rule refuses a batch without ids, every other rule one with them.
 
 References:
@@ -42,13 +43,11 @@ References:
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 from keras import ops
 
 from pergrad.aggregators.base import UNIT_IDS, UNIT_INPUTS, ExampleStatistics, serializable
-from pergrad.privacy.dp_sgd import DPGaussian
+from pergrad.privacy.dp_sgd import DPGaussian, clipping_reports
 from pergrad.privacy.sampling import PoissonSampler, bernstein_bound, bucket_width_for
 
 #: The unit id of a padding row: no user's (padding has zero gradient in any case).
@@ -128,54 +127,33 @@ class UserLevelDPGaussian(DPGaussian):
                 "supported (the Gram matrix it reads is over all variables)."
             )
         super().__init__(l2_norm_clip, noise_multiplier, **kwargs)
-        self._units: dict = {}
 
-    def set_units(self, units) -> None:
-        """Sets the ``(B,)`` unit ids of the batch the current call aggregates (per thread:
-        ``PerExampleModel``'s train step calls it; :meth:`call` takes ``units=``)."""
-        self._units[threading.get_ident()] = units
-
-    def pop_units(self):
-        """The ids :meth:`set_units` set, forgotten here."""
-        return self._units.pop(threading.get_ident(), None)
-
-    def batch_units(self):
-        units = self._units.get(threading.get_ident())
+    def unit_norms(self, stats: ExampleStatistics):
+        """``(B,)``: the norm ``||sum_{j in u} g_j||`` of example i's user ``u`` (the ids:
+        ``stats.units``, which the train step passes, or ``rule(gradients, units=ids)``)."""
+        units = stats.units
         if units is None:
             raise ValueError(
                 f"{type(self).__name__} needs each example's user id: call it as "
                 "rule(gradients, units=ids), or train on pergrad.privacy.UserSampler."
             )
-        return units
-
-    def call(self, gradients, batch_term: bool = True, units=None):
-        """The rule on ``gradients`` of examples whose unit ids are ``units`` (``(B,)``)."""
-        if units is None:
-            return super().call(gradients, batch_term)
-        self.set_units(units)
-        try:
-            return super().call(gradients, batch_term)
-        finally:
-            self.pop_units()
+        squared, finite = unit_squared_norms(stats.gram, units)
+        same = ops.cast(ops.equal(units[:, None], units[None, :]), "float32")
+        # The triangle inequality where the block overflowed: still at most C once clipped.
+        bound = ops.matmul(same, ops.cast(stats.flat_norms, "float32")[:, None])[:, 0]
+        return ops.where(finite, ops.sqrt(squared), bound)
 
     def clip_factors(self, stats: ExampleStatistics):
         """``(B,)``: example i's weight before the denominator, the clip factor
         ``min(1, C / ||sum_{j in u} g_j||)`` of its user ``u``."""
         threshold = self.l2_norm_clip
-        units = self.batch_units()
-        squared, finite = unit_squared_norms(stats.gram, units)
-        same = ops.cast(ops.equal(units[:, None], units[None, :]), "float32")
-        # The triangle inequality where the block overflowed: still at most C once clipped.
-        bound = ops.matmul(same, ops.cast(stats.flat_norms, "float32")[:, None])[:, 0]
-        norms = ops.where(finite, ops.sqrt(squared), bound)
-        factors = threshold / ops.maximum(norms, threshold)
-        if self.log_diagnostics:
-            present = ops.cast(ops.cast(stats.flat_norms, "float32") > 0, "float32")
-            count = ops.sum(present)
-            self.report("clipped_fraction", ops.sum(ops.cast(norms > threshold, "float32") * present),
-                        count=count)
-            self.report("gradient_norm", ops.sum(ops.where(present > 0, norms, 0.0)), count=count)
+        factors = threshold / ops.maximum(self.unit_norms(stats), threshold)
         return ops.where(ops.isnan(factors), 0.0, factors)
+
+    def clip_reports(self, stats: ExampleStatistics) -> dict:
+        """As :meth:`DPGaussian.clip_reports`, each example counted with its user's norm."""
+        norms = self.unit_norms(stats)
+        return clipping_reports(norms > self.l2_norm_clip, norms, ops.cast(stats.flat_norms, "float32"))
 
 
 def user_level_dp_gaussian(
