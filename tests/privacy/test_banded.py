@@ -228,7 +228,7 @@ def test_batches_are_padded_poisson_samples_of_one_group():
 
 
 def test_a_shard_draws_its_part_of_the_whole_sample(monkeypatch):
-    from pergrad import processes
+    from pergrad.distributed import processes
 
     whole = CyclicPoissonSampler(*data(), sampling_rate=0.4, cycle_length=3, seed=5)
     monkeypatch.setattr(processes, "count", lambda: 2)
