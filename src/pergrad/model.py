@@ -198,11 +198,12 @@ class PerExampleModel(_TrainStep, keras.Model):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        # Registers the DP rules (DPGaussian, AdaptiveDPGaussian, UserLevelDPGaussian) for
-        # keras.saving: their modules are imported on use (never by `import pergrad`, so that
-        # pergrad.aggregators does not import them), by name and not through the
-        # pergrad.privacy package, whose `audit` (pergrad.audit) is above this module.
+        # Registers the DP rules (DPGaussian, AdaptiveDPGaussian, BandedMFGaussian,
+        # UserLevelDPGaussian) for keras.saving: their modules are imported on use (never by
+        # `import pergrad`, so that pergrad.aggregators does not import them), by name and not
+        # through the pergrad.privacy package, whose `audit` (pergrad.audit) is above this module.
         import pergrad.privacy.adaptive  # noqa: F401
+        import pergrad.privacy.banded_rule  # noqa: F401
         import pergrad.privacy.dp_sgd  # noqa: F401
         import pergrad.privacy.units  # noqa: F401
 

@@ -13,6 +13,10 @@ The guarantee, what is refused to keep it, what ``seed=`` means and how
 resuming works are described in :class:`DPGaussian`,
 :class:`PrivacyAccountant`, :class:`PoissonSampler` and the README.
 
+Correlated noise (banded matrix factorization, BandMF): :func:`banded_mf_gaussian` on a
+:class:`CyclicPoissonSampler`, with ``PrivacyAccountant(..., cycle_length=k)``
+(docs/banded-mf.md).
+
 User-level DP (the guarantee for one user and all of their examples):
 :func:`user_level_dp_gaussian` on a :class:`UserSampler`, with
 ``PrivacyAccountant(..., unit="user")`` (:mod:`pergrad.privacy.units`).
@@ -46,6 +50,7 @@ from pergrad.privacy.auditing import (
 )
 from pergrad.privacy.banded import BandedStrategy, correlate_step, fhu_coefficients
 from pergrad.privacy.banded_accounting import banded_mf_epsilon, banded_mf_event
+from pergrad.privacy.banded_rule import BandedMFGaussian, banded_mf_gaussian
 from pergrad.privacy.callbacks import (
     PrivacyAccountant,
     PrivacyBudgetExhaustedError,
@@ -80,6 +85,7 @@ __all__ = [
     "UNIT_INPUTS",
     "AdaptiveDPGaussian",
     "AuditResult",
+    "BandedMFGaussian",
     "BandedStrategy",
     "BatchOverflowError",
     "CyclicPoissonSampler",
@@ -96,6 +102,7 @@ __all__ = [
     "audit_p_value",
     "banded_mf_epsilon",
     "banded_mf_event",
+    "banded_mf_gaussian",
     "best_guesses",
     "check_dp_fit",
     "correlate_step",

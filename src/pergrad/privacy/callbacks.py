@@ -10,11 +10,13 @@ import keras
 
 from pergrad.log import LOGGER
 from pergrad.privacy.accounting import epsilon, make_accountant, steps_within_budget
+from pergrad.privacy.banded_accounting import check_separation, participations
 from pergrad.privacy.dp_sgd import UNLIMITED_STEPS, steps_taken
 from pergrad.privacy.sampling import PoissonSampler
 from pergrad.privacy.validation import (
     NotPoissonSampledWarning,
     check_accountant_matches,
+    check_separation_matches,
     check_units_match,
     validate_model_for_dp,
 )
@@ -73,6 +75,14 @@ class PrivacyAccountant(keras.callbacks.Callback):
             (``user_level_dp_gaussian`` on a ``UserSampler``: one user, all of its
             examples; ``sampling_rate`` is then the users'). It must match the
             model's rule; :attr:`guarantee` says it in words.
+        cycle_length: the ``cycle_length`` ``k`` of the
+            :class:`~pergrad.privacy.CyclicPoissonSampler` the model trains on; required
+            for :func:`~pergrad.privacy.banded_mf_gaussian` with ``bands > 1`` (``k >= b``).
+            ``epsilon`` is then BandMF's amplified one
+            (:func:`~pergrad.privacy.banded_mf_epsilon`): DP-SGD's with ``ceil(T / k)``
+            steps at ``sampling_rate``, and ``max_epsilon`` stops after ``k`` times the
+            steps DP-SGD's budget allows. A rule with fewer bands, or a sampler with
+            another separation, is refused at ``fit``.
     """
 
     def __init__(
@@ -85,10 +95,16 @@ class PrivacyAccountant(keras.callbacks.Callback):
         accountant: str = "rdp",
         log_name: str = "epsilon",
         unit: str = "example",
+        cycle_length: int | None = None,
     ):
         super().__init__()
         if unit not in UNITS:
             raise ValueError(f"unit must be one of {UNITS}, got {unit!r}.")
+        if cycle_length is not None:
+            check_separation(1, cycle_length)  # a positive integer
+            cycle_length = int(cycle_length)
+        #: The sampler's ``cycle_length`` (BandMF's accounting), or ``None`` (DP-SGD's).
+        self.cycle_length = cycle_length
         self.unit = unit
         # Validates the arguments and the accountant's name right away.
         epsilon(noise_multiplier, sampling_rate, 0, delta, accountant)
@@ -106,17 +122,24 @@ class PrivacyAccountant(keras.callbacks.Callback):
         self.max_steps: int | None = None
         self._first_batch = True
 
+    def accounted_steps(self, steps: int) -> int:
+        """The DP-SGD steps whose composition ``epsilon`` counts after ``steps`` steps: the
+        most participations of one example with a ``cycle_length``, ``steps`` otherwise."""
+        return steps if self.cycle_length is None else participations(steps, self.cycle_length)
+
     @property
     def epsilon(self) -> float:
         """``epsilon`` after the steps counted at the last read."""
-        return epsilon(self.noise_multiplier, self.sampling_rate, self.steps, self.delta, self.accountant)
+        return epsilon(self.noise_multiplier, self.sampling_rate, self.accounted_steps(self.steps),
+                       self.delta, self.accountant)
 
     @property
     def guarantee(self) -> str:
         """What :attr:`epsilon` means, in words."""
         unit = "one example" if self.unit == "example" else "one user (all of its examples)"
-        return (f"({self.epsilon:.4g}, {self.delta:g})-DP after {self.steps} steps, for adding or "
-                f"removing {unit}")
+        cyclic = "" if self.cycle_length is None else f" (cycles of {self.cycle_length} steps)"
+        return (f"({self.epsilon:.4g}, {self.delta:g})-DP after {self.steps} steps{cyclic}, for "
+                f"adding or removing {unit}")
 
     def _read_steps(self) -> int:
         # Optimizer steps for a model without a DP rule (warned at train begin).
@@ -150,6 +173,8 @@ class PrivacyAccountant(keras.callbacks.Callback):
             self.max_steps = steps_within_budget(
                 self.max_epsilon, self.delta, self.noise_multiplier, self.sampling_rate, self.accountant
             )
+            if self.cycle_length is not None:  # ceil(T / k) <= n  <=>  T <= n k
+                self.max_steps *= self.cycle_length
         self._first_batch = True
         self._check_budget()
         self._read_steps()
@@ -231,6 +256,8 @@ def check_dp_fit(model, x=None, callbacks=None) -> None:
         return
     inner = getattr(model, "model", model)
     validate_model_for_dp(inner)
+    if isinstance(x, PoissonSampler):  # participations as far apart as a banded rule's bands
+        check_separation_matches(aggregator, x)
     for accountant in _accountants(callbacks):
         check_accountant_matches(accountant, aggregator, x if isinstance(x, PoissonSampler) else None)
     if isinstance(x, PoissonSampler):

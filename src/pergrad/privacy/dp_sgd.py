@@ -325,20 +325,27 @@ class DPGaussian(WeightedAggregator):
         step = ops.convert_to_tensor(self.step_count.value)
         term = None
         if self.noise_multiplier > 0:
-            denominator = self._denominator(stats)  # the weights' denominator
-            # One draw for all variables. The scale enters the generator: its last rounding
-            # then smooths the float32 values (docs/architecture.md, "Noise generator").
-            scale = self.noise_stddev / ops.cast(denominator, "float32")
-            sizes = [math.prod(g.shape) for g in result]
-            values = noise.gaussian_noise(self._key(), step, sum(sizes), scale)
-            term, start = [], 0
-            for gradient, size in zip(result, sizes):
-                part = ops.reshape(values[start : start + size], gradient.shape)
-                term.append(ops.cast(part, gradient.dtype))
-                start += size
+            term = self.step_noise(result, stats, step)
+            term = [ops.cast(part, gradient.dtype) for part, gradient in zip(term, result)]
         # A step past the budget's limit is not applied (update_allowed), nor counted.
         self.step_count.assign(step + ops.cast(ops.less(step, self.step_limit.value), "int32"))
         return Aggregation(result, reports=reports, batch_term=term)
+
+    def step_noise(self, result: list, stats: ExampleStatistics, step) -> list:
+        """The noise of step ``step`` on the result (float32, one tensor per variable):
+        ``N(0, (noise_stddev / denominator)^2)`` per coordinate, a pure function of (key,
+        ``step``). :class:`~pergrad.privacy.BandedMFGaussian` correlates it across steps."""
+        denominator = self._denominator(stats)  # the weights' denominator
+        # One draw for all variables. The scale enters the generator: its last rounding
+        # then smooths the float32 values (docs/architecture.md, "Noise generator").
+        scale = self.noise_stddev / ops.cast(denominator, "float32")
+        sizes = [math.prod(g.shape) for g in result]
+        values = noise.gaussian_noise(self._key(), step, sum(sizes), scale)
+        parts, start = [], 0
+        for gradient, size in zip(result, sizes):
+            parts.append(ops.reshape(values[start : start + size], gradient.shape))
+            start += size
+        return parts
 
     def get_config(self):
         return {

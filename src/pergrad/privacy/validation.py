@@ -25,6 +25,7 @@ from keras import tree
 
 from pergrad import compat
 from pergrad.layers import batch_normalization_refusal
+from pergrad.privacy.banded_accounting import separation_of
 
 
 class NotPrivateError(ValueError):
@@ -101,9 +102,26 @@ def check_units_match(aggregator, sampler) -> None:
         )
 
 
+def check_separation_matches(aggregator, sampler) -> None:
+    """A rule with correlated noise over ``b`` bands (``banded_mf_gaussian``) needs every
+    example's participations at least ``b`` steps apart: ``sampler`` must guarantee it
+    (:func:`~pergrad.privacy.banded_accounting.separation_of`)."""
+    bands = getattr(aggregator, "bands", 1)
+    separation = separation_of(sampler)
+    if separation >= bands:
+        return
+    rate = f"sampling_rate={sampler.sampling_rate * bands / separation:g}"
+    raise ValueError(
+        f"banded_mf_gaussian(bands={bands}) needs each example's participations at least {bands} "
+        f"steps apart, and {type(sampler).__name__} separates them by {separation} step(s): train "
+        f"on pergrad.privacy.CyclicPoissonSampler(x, y, {rate}, cycle_length={bands}) (the same "
+        f"expected batch), or use at most bands={separation}."
+    )
+
+
 def check_accountant_matches(accountant, aggregator, sampler=None) -> None:
-    """An accountant must describe the mechanism that runs: the rule's ``z`` and privacy
-    unit, the sampler's ``q``."""
+    """An accountant must describe the mechanism that runs: the rule's ``z``, privacy unit and
+    bands, the sampler's ``q`` and ``cycle_length``."""
     rule_unit = getattr(aggregator, "privacy_unit", "example")
     if accountant.unit != rule_unit:
         raise ValueError(
@@ -124,4 +142,23 @@ def check_accountant_matches(accountant, aggregator, sampler=None) -> None:
             f"the PoissonSampler (sampling_rate={sampler.sampling_rate}): the logged "
             "epsilon would describe another mechanism. Pass "
             f"sampling_rate={sampler.sampling_rate} to the accountant."
+        )
+    bands, cycle_length = getattr(aggregator, "bands", 1), accountant.cycle_length
+    if cycle_length is None and bands > 1:
+        raise ValueError(
+            f"The model's rule is banded_mf_gaussian(bands={bands}), whose epsilon counts each "
+            "example's participations, one per cycle of its CyclicPoissonSampler: pass "
+            f"PrivacyAccountant(..., cycle_length=k) with the sampler's cycle_length (>= {bands})."
+        )
+    if cycle_length is not None and cycle_length < bands:
+        raise ValueError(
+            f"PrivacyAccountant(cycle_length={cycle_length}) is below the rule's bands={bands}: "
+            "the amplified BandMF accounting needs participations at least as far apart as the "
+            f"bands. Sample with CyclicPoissonSampler(cycle_length={bands}) (or more) and pass it."
+        )
+    if cycle_length is not None and sampler is not None and separation_of(sampler) != cycle_length:
+        raise ValueError(
+            f"PrivacyAccountant(cycle_length={cycle_length}) does not match the sampler, which "
+            f"separates participations by {separation_of(sampler)} step(s): pass "
+            f"cycle_length={separation_of(sampler)}."
         )
