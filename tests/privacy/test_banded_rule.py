@@ -77,6 +77,27 @@ def test_the_noise_is_the_inverse_strategy_applied_to_dp_gaussians_noise(strateg
     np.testing.assert_allclose(newest, w[-1], rtol=1e-6, atol=1e-7)
 
 
+def test_a_step_past_the_budget_leaves_the_buffers_as_they_were():
+    """Past ``step_limit`` the update is not applied, the step not counted: the buffers keep the
+    last applied step's noises, so the next allowed step draws what it would have."""
+    shapes = [(3,), (2, 2)]
+    rule = banded_mf_gaussian(1.0, 1.0, bands=3, expected_batch_size=2.0, seed=5)
+    reference = noises(banded_mf_gaussian(1.0, 1.0, bands=3, expected_batch_size=2.0, seed=5), shapes, 4)
+    np.testing.assert_array_equal(noises(rule, shapes, 2), reference[:2])
+    kept = [np.array(ops.convert_to_numpy(b)) for b in rule.noise_buffers]
+    rule.step_limit.assign(2)
+    noises(rule, shapes, 2)
+    assert steps_of_rule(rule) == 2
+    for buffer, before in zip(rule.noise_buffers, kept):
+        np.testing.assert_array_equal(ops.convert_to_numpy(buffer), before)
+    rule.step_limit.assign(2**31 - 1)
+    np.testing.assert_array_equal(noises(rule, shapes, 2), reference[2:])
+
+
+def steps_of_rule(rule) -> int:
+    return int(ops.convert_to_numpy(rule.step_count))
+
+
 def test_an_unnormalized_strategy_is_normalized_and_its_noise_is_that_of_the_normalized_one():
     coefficients = 3.0 * privacy.fhu_coefficients(3)
     rule = banded_mf_gaussian(1.0, 1.0, strategy=coefficients, expected_batch_size=2.0, seed=1)

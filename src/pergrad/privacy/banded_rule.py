@@ -165,7 +165,9 @@ class BandedMFGaussian(DPGaussian):
         for part, buffer in zip(z, self.noise_buffers):
             past = ops.convert_to_tensor(buffer.value)
             w = part * np.float32(scale) - ops.tensordot(feedback, past, axes=1)
-            buffer.assign(ops.where(allowed, ops.concatenate([w[None], past[:-1]], axis=0), past))
+            # (cond, not where: one branch runs, no extra pass over the buffers)
+            buffer.assign(ops.cond(allowed, lambda w=w, past=past: ops.concatenate([w[None], past[:-1]]),
+                                   lambda past=past: past))
             noises.append(w)
         return noises
 
