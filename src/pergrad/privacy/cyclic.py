@@ -21,10 +21,10 @@ for the batches (``seed=None``, :meth:`PoissonSampler.set_step`) keeps them, so 
 a known assignment of *positions* to groups would tell which examples moved when one is removed.
 
 **Not yet.** A run resumed in a new process with ``seed=None`` draws new groups, so participations
-just before and after the resumption need not be ``b`` apart; the BandMF rule will have to restart
-its noise correlation there (and the accounting count both segments), or keep the groups. Until
-then, resume BandMF training in the same process (``BackupAndRestore`` within one ``fit``), or with
-a fixed seed in tests.
+just before and after the resumption need not be ``b`` apart, and the BandMF rule
+(:func:`~pergrad.privacy.banded_mf_gaussian`) continues its noise correlation over that boundary.
+Resume BandMF training in the same process (``BackupAndRestore`` within one ``fit``), or keep the
+sampler's seed as secret as the checkpoint and pass it again.
 
 References:
     Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta and Xu, 2023, "(Amplified) banded
