@@ -140,9 +140,12 @@ class Kernels(keras.callbacks.Callback):
         self.values.append(np.asarray(ops.convert_to_numpy(self.variable)))
 
 
-def test_fit_adds_the_correlated_noise_at_every_step():
+@pytest.mark.parametrize("path, microbatch_size, engine",
+                         [("auto", None, "statistics"), ("auto", 2, "chunked"),
+                          ("materialized", None, "materialized")])
+def test_fit_adds_the_correlated_noise_at_every_step(path, microbatch_size, engine):
     """Zero gradients, SGD(1): the updates of a fit are minus the noise; BandMF's are C^-1 of
-    dp_gaussian's (same seed, same sampler)."""
+    dp_gaussian's (same seed, same sampler), on every engine path."""
     x, y = np.zeros((30, 6), "float32"), np.zeros((30, 5), "float32")
     strategy, steps = BandedStrategy.fhu(3), 9
 
@@ -150,7 +153,8 @@ def test_fit_adds_the_correlated_noise_at_every_step():
         sampler = CyclicPoissonSampler(x, y, sampling_rate=0.6, cycle_length=3, seed=1, steps_per_epoch=1)
         inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, use_bias=False,
                                                                         kernel_initializer="zeros")])
-        model = pergrad.PerExampleModel(inner, rule)
+        model = pergrad.PerExampleModel(inner, rule, path=path, microbatch_size=microbatch_size)
+        assert pergrad.step.engine_path(model.aggregator, path, microbatch_size) == engine
         model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
         record = Kernels(inner.trainable_variables[0])
         model.fit(sampler, epochs=steps, verbose=0, callbacks=[record])
