@@ -110,12 +110,13 @@ def check_separation_matches(aggregator, sampler) -> None:
     separation = separation_of(sampler)
     if separation >= bands:
         return
-    rate = f"sampling_rate={sampler.sampling_rate * bands / separation:g}"
+    rate = sampler.sampling_rate * bands / separation  # the same expected batch
+    same = "the same expected batch" if rate <= 1 else "a smaller expected batch: the rate is at most 1"
     raise ValueError(
         f"banded_mf_gaussian(bands={bands}) needs each example's participations at least {bands} "
         f"steps apart, and {type(sampler).__name__} separates them by {separation} step(s): train "
-        f"on pergrad.privacy.CyclicPoissonSampler(x, y, {rate}, cycle_length={bands}) (the same "
-        f"expected batch), or use at most bands={separation}."
+        f"on pergrad.privacy.CyclicPoissonSampler(x, y, sampling_rate={min(rate, 1.0):g}, "
+        f"cycle_length={bands}) ({same}), or use at most bands={separation}."
     )
 
 
