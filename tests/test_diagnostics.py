@@ -1,4 +1,4 @@
-"""Gradient diagnostics (``pergrad.diagnostics``) against a NumPy reference.
+"""Gradient diagnostics (``pergrad.insight.diagnostics``) against a NumPy reference.
 
 The reference is computed in float64 from the materialized per-example gradients
 (``pergrad.per_example_gradients``, itself checked against the batch-of-one
@@ -17,8 +17,8 @@ import pytest
 
 import pergrad
 import problems
-from pergrad import diagnostics
-from pergrad.diagnostics import NEGLIGIBLE_GRADIENT, GradientDiagnostics, batch_diagnostics
+from pergrad.insight import diagnostics
+from pergrad.insight.diagnostics import NEGLIGIBLE_GRADIENT, GradientDiagnostics, batch_diagnostics
 
 QUANTILES = (0.0, 0.25, 0.5, 0.9, 1.0)
 # dense, conv, embedding (a repeated token), layer norm, attention (EinsumDense on

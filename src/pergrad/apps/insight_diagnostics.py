@@ -1,7 +1,7 @@
 """Training diagnostics on bundled data, as pictures (docs/diagnostics.md, 'Plots').
 
-:func:`diagnostics_report` trains the digits network of ``pergrad.demo`` with
-``mean`` and a :class:`~pergrad.diagnostics.GradientDiagnostics` callback every
+:func:`diagnostics_report` trains the digits network of ``pergrad.apps.demo`` with
+``mean`` and a :class:`~pergrad.insight.diagnostics.GradientDiagnostics` callback every
 step, and draws what it logged: the per-example gradient norm quantiles over
 training, the gradient noise scale next to the batch size used, and the GSNR of
 every layer's variables. Needs scikit-learn (the data) and matplotlib.
@@ -15,8 +15,8 @@ import keras
 import numpy as np
 
 import pergrad
-from pergrad.diagnostics import GradientDiagnostics
-from pergrad.digits import build_model, load_digits_split, pyplot
+from pergrad.apps.digits import build_model, load_digits_split, pyplot
+from pergrad.insight.diagnostics import GradientDiagnostics
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 BATCH_SIZE, EPOCHS, LEARNING_RATE = 64, 12, 3e-3
