@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Adaptive clipping against hand-tuned clipping norms: DP-SGD on digits at one epsilon.
 
-Trains pergrad.demo's network on scikit-learn's digits with DP-SGD (Poisson sampling,
+Trains pergrad.apps.demo's network on scikit-learn's digits with DP-SGD (Poisson sampling,
 the same total noise multiplier, sampling rate and number of steps, hence the same
 epsilon) once per clipping norm of a grid of five, and once with adaptive clipping
 (Andrew et al., 2021: target quantile 0.5, learning rate 0.2, count noise
@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 import pergrad  # noqa: E402
 from pergrad import privacy  # noqa: E402
-from pergrad.demo import build_model, load_digits_split  # noqa: E402
+from pergrad.apps.demo import build_model, load_digits_split  # noqa: E402
 
 GRID = (0.1, 0.3, 1.0, 3.0, 10.0)
 
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     parser.add_argument("--noise-multiplier", type=float, default=1.64,
                         help="the total z (1.64: epsilon 3 at delta 1e-5 after 20 epochs)")
     parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--learning-rate", type=float, default=3e-3, help="Adam's, as pergrad.demo")
+    parser.add_argument("--learning-rate", type=float, default=3e-3, help="Adam's, as pergrad.apps.demo")
     parser.add_argument("--initial-clip", type=float, default=0.1, help="adaptive clipping's first C")
     args = parser.parse_args(argv)
     z = args.noise_multiplier

@@ -13,7 +13,7 @@ interleaved in rounds, and the table gives the median over rounds of each row's 
 and of its ratio to ``dp_gaussian`` in the same round. BandMF's extra state is ``b - 1`` float32
 copies of the parameters.
 
-``digits``: pergrad.demo's network on the digits (1437 training examples), expected batch 64,
+``digits``: pergrad.apps.digits's network on the digits (1437 training examples), expected batch 64,
 the same number of steps, Adam(3e-3) or SGD with momentum 0.9 (``--optimizer sgd``), clipping
 norm 1, at ``epsilon`` = 3 (``delta`` = 1e-5): DP-SGD on a ``PoissonSampler``
 (``noise_multiplier_for(3, 1e-5, q, T)``), BandMF on a ``CyclicPoissonSampler`` with
@@ -82,7 +82,7 @@ def digits_accuracy(bands_list, seeds: int, epochs: int, target: float, delta: f
 
     import pergrad
     from pergrad import privacy
-    from pergrad.demo import build_model, load_digits_split
+    from pergrad.apps.digits import build_model, load_digits_split
 
     (x, y), test = load_digits_split(seed=0)
     n, batch, clip = len(x), 64, 1.0

@@ -28,7 +28,7 @@ import numpy as np
 
 import pergrad
 from pergrad import compat
-from pergrad.demo import load_digits_split
+from pergrad.apps.demo import load_digits_split
 from pergrad.layers import replace_batch_normalization
 from pergrad.privacy import dp_gaussian
 

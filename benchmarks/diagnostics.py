@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The cost of ``pergrad.diagnostics.GradientDiagnostics``: a diagnostics step against a plain one.
+"""The cost of ``pergrad.insight.diagnostics.GradientDiagnostics``: a diagnostics step against a plain one.
 
 Run once per backend::
 
@@ -60,7 +60,7 @@ import keras  # noqa: E402
 import pergrad  # noqa: E402
 import runner  # noqa: E402
 from models import build_model, make_data, new_loss, new_optimizer, parse_model  # noqa: E402
-from pergrad.diagnostics import GradientDiagnostics  # noqa: E402
+from pergrad.insight.diagnostics import GradientDiagnostics  # noqa: E402
 
 CALLBACKS = {
     "diag": dict(),

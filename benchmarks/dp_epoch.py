@@ -105,7 +105,8 @@ def child(backend: str, epochs: int, padding_repeats: int) -> dict:
     import numpy as np
 
     import pergrad
-    from pergrad import demo, privacy
+    from pergrad import privacy
+    from pergrad.apps import demo
 
     assert keras.backend.backend() == backend, keras.backend.backend()
     (x, y), (x_test, y_test) = demo.load_digits_split(SEED)

@@ -413,8 +413,8 @@ def _build(rule: str):
 
 
 def _path(model) -> str:
-    from pergrad import step
     from pergrad.engine import chunked
+    from pergrad.training import step
 
     path = step.engine_path(model.aggregator, model.engine_path, model.microbatch_size)
     if path == step.STATISTICS_PATH and not chunked.supports(model.aggregator):

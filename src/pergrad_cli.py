@@ -78,13 +78,13 @@ def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     echo = lambda line: print(line, flush=True)  # noqa: E731
     if args.command == "demo":
-        from pergrad import demo
+        from pergrad.apps import demo
 
         demo.run(seeds=args.seeds, epochs=args.epochs, batch_size=args.batch_size,
                  corrupted_fraction=args.corrupted_fraction, out_dir=args.out, dp=not args.no_dp,
                  echo=echo)
     if args.command == "insight":
-        from pergrad import insight
+        from pergrad.apps import insight
 
         insight.run(seeds=args.seeds, fraction=args.flipped_fraction, epochs=args.epochs,
                     noise=args.noise, out_dir=args.out, pruning=not args.no_pruning, echo=echo)

@@ -11,9 +11,11 @@ import keras
 import numpy as np
 
 import pergrad_cli
-from pergrad import aggregators, demo
+from pergrad import aggregators
 
 # Which modules the command imports for --help and --version (in a fresh interpreter).
+from pergrad.apps import demo
+
 _IMPORTED = """
 import json, sys, contextlib, io
 import pergrad_cli

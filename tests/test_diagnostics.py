@@ -1,4 +1,4 @@
-"""Gradient diagnostics (``pergrad.diagnostics``) against a NumPy reference.
+"""Gradient diagnostics (``pergrad.insight.diagnostics``) against a NumPy reference.
 
 The reference is computed in float64 from the materialized per-example gradients
 (``pergrad.per_example_gradients``, itself checked against the batch-of-one
@@ -17,8 +17,8 @@ import pytest
 
 import pergrad
 import problems
-from pergrad import diagnostics
-from pergrad.diagnostics import NEGLIGIBLE_GRADIENT, GradientDiagnostics, batch_diagnostics
+from pergrad.insight import diagnostics
+from pergrad.insight.diagnostics import NEGLIGIBLE_GRADIENT, GradientDiagnostics, batch_diagnostics
 
 QUANTILES = (0.0, 0.25, 0.5, 0.9, 1.0)
 # dense, conv, embedding (a repeated token), layer norm, attention (EinsumDense on
@@ -184,3 +184,20 @@ def test_arguments_are_checked():
     with pytest.raises(ValueError, match="gsnr_every_n_steps"):
         GradientDiagnostics(every_n_steps=2, gsnr_every_n_steps=3)
     assert GradientDiagnostics(every_n_steps=3).gsnr_every_n_steps == 30
+
+
+def test_the_diagnostics_plots_draw_what_the_callback_logged(tmp_path):
+    """``pergrad insight``'s plots (apps/insight_diagnostics.py): one epoch of the digits network, the
+    three pictures written as PNG files of the callback's series."""
+    from pergrad.apps import insight_diagnostics as plots
+
+    callback, history = plots.train_with_diagnostics(epochs=1)
+    per_epoch = plots._steps_per_epoch(history, callback)
+    assert per_epoch == len(callback.history["step"]) > 0
+    paths = [plots.plot_norms(callback, str(tmp_path / "norms.png"), per_epoch),
+             plots.plot_noise_scale(callback, str(tmp_path / "noise.png"), plots.BATCH_SIZE, per_epoch),
+             plots.plot_gsnr(callback, str(tmp_path / "gsnr.png"), per_epoch)]
+    for path in paths:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
+    assert plots.pyplot().get_fignums() == []  # every figure closed

@@ -254,7 +254,7 @@ def test_metric_updates_give_keras_mean_values():
     """The train step's metric updates (``update_mean``: in place on eager torch) and the
     diagnostics' ``StepMean`` give Keras's ``Mean`` totals, counts and results, the same
     bits; in a ``StatelessScope`` the update goes to the scope, as Keras's."""
-    from pergrad.trainers import StepMean, update_mean
+    from pergrad.training.trainers import StepMean, update_mean
 
     values = [1.5, float("nan"), 3.25, float("inf"), -2.0, 0.1]
     for weights in ([None] * 6, [64, 3, 1, 0.5, 2, 7]):

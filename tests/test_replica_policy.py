@@ -2,7 +2,7 @@
 counts, a batch term, groups' results) combines into the whole batch's result.
 
 Each test splits one batch into shards, runs the rule on each as a replica would, and
-combines the parts as ``pergrad.step`` and ``pergrad.distributed.replicas`` do, against the rule
+combines the parts as ``pergrad.training.step`` and ``pergrad.distributed.replicas`` do, against the rule
 on the whole batch.
 """
 

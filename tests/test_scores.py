@@ -17,8 +17,8 @@ import pergrad
 import pergrad_cli as cli
 import problems
 from oracle import take, to_numpy
-from pergrad import insight
-from pergrad.scores import KINDS
+from pergrad.apps import insight
+from pergrad.insight.scoring import KINDS
 
 PROBLEMS = ["dense_mlp", "conv2d", "embedding", "layer_norm", "attention"]
 RATES = [0.5, 2.0]

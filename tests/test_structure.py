@@ -13,6 +13,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import pergrad
 import problems
 from pergrad import privacy
@@ -240,7 +242,7 @@ def test_multi_device_code_is_reached_through_one_hand_off_and_never_by_the_engi
         == {name: [] for name in outside}
     engine = [name for name in outside if name.startswith("pergrad.engine")]
     assert engine and {name: outside[name] for name in engine} == {name: [] for name in engine}
-    assert "pergrad.distributed.training" in graph["pergrad.step"]
+    assert "pergrad.distributed.training" in graph["pergrad.training.step"]
 
 
 def _replica_calls() -> list[str]:
@@ -265,10 +267,12 @@ def test_only_distributed_calls_the_adapters_replica_collectives():
 def test_rules_leave_every_collective_to_the_distributed_layer():
     """``aggregators/`` and ``privacy/`` return local quantities (sums, counts, a noise
     term): the engine, the step and the multi-device modules (every collective) are above
-    them; the hosts' module (``processes``: the samplers' and the DP key's) is below."""
+    them; the hosts' module (``processes``: the samplers' and the DP key's) is below. The one
+    module of ``privacy/`` that is no rule, the audit (``canary_audit``), trains a model."""
     graph = import_graph()
-    above = ("pergrad.engine", "pergrad.step", "pergrad.distributed.replicas", "pergrad.distributed.layouts",
-             "pergrad.distributed.training", "pergrad.model", "pergrad.trainers")
+    graph.pop("pergrad.privacy.canary_audit")
+    above = ("pergrad.engine", "pergrad.training", "pergrad.distributed.replicas",
+             "pergrad.distributed.layouts", "pergrad.distributed.training")
     rules = [name for name in graph if name.startswith(("pergrad.aggregators", "pergrad.privacy"))]
     assert rules
     assert {name: sorted(m for m in graph[name] if m.startswith(above)) for name in rules} == {
@@ -434,3 +438,65 @@ def test_the_probe_check_finds_probes(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(sys.modules[__name__], "SOURCE", package)
     assert _kernel_probes() == ["pkg.a: 1", "pkg.a: 2", "pkg.a: 3", "pkg.a: 4"]
+
+
+#: The package's layers, lowest first: a module imports only from its own layer and the
+#: layers below it (docs/architecture.md, 'The layout'). A name is a module or a package prefix.
+LAYERS = (
+    ("utilities", ("pergrad.tensors", "pergrad.log", "pergrad.compat", "pergrad.arguments",
+                   "pergrad.layers")),
+    ("backend adapters", ("pergrad.backend",)),
+    ("processes", ("pergrad.distributed.processes",)),
+    ("the rule protocol", ("pergrad.aggregators.base", "pergrad.aggregators.batch",
+                           "pergrad.aggregators.row_map", "pergrad.aggregators.example_statistics",
+                           "pergrad.aggregators.aggregation")),
+    ("layer rules", ("pergrad.layer_rules",)),
+    ("engine", ("pergrad.engine",)),
+    ("rules", ("pergrad.aggregators", "pergrad.privacy")),
+    ("several devices", ("pergrad.distributed",)),
+    ("insight", ("pergrad.insight",)),
+    ("training", ("pergrad.training",)),
+    ("the public package", ("pergrad",)),
+    ("applications", ("pergrad.apps",)),
+)
+
+#: ``importer -> imported`` arrows that run up a layer, each with its reason.
+UPWARD_ALLOWED = {
+    "pergrad.privacy.canary_audit -> pergrad.training.model": (
+        "the audit is one DP training run of a PerExampleModel, and pergrad.privacy exports it"
+    ),
+}
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of the longest name that ``module`` is or is under."""
+    best, found = -1, None
+    for index, (_, names) in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, found = len(name), index
+    assert found is not None, f"{module} is in no layer of LAYERS"
+    return found
+
+
+def upward_arrows(graph) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, imported in graph.items() for b in imported
+                  if layer_of(b) > layer_of(a))
+
+
+def test_every_module_imports_only_its_layer_and_below():
+    """``backend`` < the rule protocol < ``layer_rules`` < ``engine`` < the rules < ``distributed``
+    < ``insight`` < ``training`` < ``pergrad`` < ``apps``: nothing in the library imports the
+    applications, the engine asks rules what they declare (the protocol) instead of importing them,
+    and the rules leave every collective to the layers above them."""
+    found = upward_arrows(import_graph())
+    assert [arrow for arrow in found if arrow not in UPWARD_ALLOWED] == []
+    assert sorted(set(UPWARD_ALLOWED) - set(found)) == []  # no stale entry
+
+
+def test_the_layer_check_finds_an_upward_arrow():
+    graph = {"pergrad.engine.paths": {"pergrad.apps.demo", "pergrad.backend"},
+             "pergrad.apps.demo": {"pergrad.training.model"}}
+    assert upward_arrows(graph) == ["pergrad.engine.paths -> pergrad.apps.demo"]
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("pergrad_cli")

@@ -2,15 +2,16 @@
 
 import importlib
 
-from pergrad import aggregators, layer_rules, layers
+from pergrad import aggregators, insight, layer_rules, layers
 from pergrad.engine import per_example_gradients
 from pergrad.engine.statistics import per_example_statistics
-from pergrad.model import PerExampleModel
-from pergrad.scores import scores  # (the function: it shadows the module's attribute)
+from pergrad.insight import scores
+from pergrad.training.model import PerExampleModel
 
 __all__ = [
     "PerExampleModel",
     "aggregators",
+    "insight",
     "layer_rules",
     "layers",
     "per_example_gradients",

@@ -15,12 +15,13 @@ import pytest
 import pergrad
 import problems
 from pergrad import aggregators as agg
-from pergrad import privacy, step
+from pergrad import privacy
 from pergrad.aggregators.base import LOCAL_MEAN, LOCAL_SUM, WHOLE_BATCH, WeightedAggregator
 from pergrad.aggregators.basic import Clip, Mean, Median, Sum
 from pergrad.aggregators.clipping import AutomaticClip
 from pergrad.aggregators.robust import Krum
 from pergrad.engine import chunked, statistics, streaming
+from pergrad.training import step
 
 
 class MyClip(Clip):

@@ -1,6 +1,6 @@
 """The layer rules' ``sum_grad_squared`` and ``cross_gram`` against the materialized path.
 
-``sum_i g_i ** 2`` per coordinate (the GSNR's second moments, ``pergrad.diagnostics``)
+``sum_i g_i ** 2`` per coordinate (the GSNR's second moments, ``pergrad.insight.diagnostics``)
 and the block ``<g_i, g_j>``, ``i < split <= j`` (``pergrad.scores``' influence), from
 each call's ``A`` and ``D`` (``engine.layers.Layers``), must equal the same sums over
 the materialized per-example gradients (``pergrad.per_example_gradients``, itself

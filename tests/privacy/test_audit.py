@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pergrad import privacy
-from pergrad.demo import load_digits_split
+from pergrad.apps.demo import load_digits_split
 from pergrad.privacy import audit, audit_p_value, best_guesses, epsilon_lower_bound
 
 

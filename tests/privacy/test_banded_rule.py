@@ -17,6 +17,7 @@ from keras import ops
 
 import pergrad
 from pergrad import privacy
+from pergrad.engine.paths import engine_path
 from pergrad.privacy import (
     BandedMFGaussian,
     BandedStrategy,
@@ -154,7 +155,7 @@ def test_fit_adds_the_correlated_noise_at_every_step(path, microbatch_size, engi
         inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, use_bias=False,
                                                                         kernel_initializer="zeros")])
         model = pergrad.PerExampleModel(inner, rule, path=path, microbatch_size=microbatch_size)
-        assert pergrad.step.engine_path(model.aggregator, path, microbatch_size) == engine
+        assert engine_path(model.aggregator, path, microbatch_size) == engine
         model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
         record = Kernels(inner.trainable_variables[0])
         model.fit(sampler, epochs=steps, verbose=0, callbacks=[record])

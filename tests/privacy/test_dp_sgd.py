@@ -238,7 +238,7 @@ def test_fit_adds_fresh_noise_of_the_right_scale_at_every_step(path, microbatch_
     model = pergrad.PerExampleModel(
         inner, dp_gaussian(clip, noise_multiplier, seed=13), path=path, microbatch_size=microbatch_size
     )
-    assert pergrad.step.engine_path(model.aggregator, path, microbatch_size) == engine
+    assert pergrad.training.step.engine_path(model.aggregator, path, microbatch_size) == engine
     model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
     kernels = [np.asarray(ops.convert_to_numpy(inner.trainable_variables[0]))]
 

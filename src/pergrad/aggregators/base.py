@@ -56,8 +56,7 @@ from pergrad.aggregators.batch import (
     zero_examples,
     zero_non_finite_examples,
 )
-from pergrad.aggregators.row_map import RowMap
-from pergrad.aggregators.statistics import (
+from pergrad.aggregators.example_statistics import (
     ExampleStatistics,
     example_squared_norms,
     example_weighted_sum,
@@ -68,6 +67,7 @@ from pergrad.aggregators.statistics import (
     squared_norms_of_rows,
     stack_columns,
 )
+from pergrad.aggregators.row_map import RowMap
 from pergrad.tensors import float_count, is_float
 
 __all__ = [
@@ -250,7 +250,7 @@ class Aggregator(keras.layers.Layer):
     state_per_variable: bool = False
     #: How the result splits over parts of the batch (:data:`LOCAL_MEAN`,
     #: :data:`LOCAL_SUM` or :data:`WHOLE_BATCH`): whether each replica may aggregate its
-    #: own shard (``pergrad.step``), and whether padding rows matter. A subclass
+    #: own shard (``pergrad.training.step``), and whether padding rows matter. A subclass
     #: inherits its parent's; one whose weights read other examples must set
     #: ``WHOLE_BATCH``.
     distribution: str = WHOLE_BATCH

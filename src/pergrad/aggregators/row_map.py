@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from keras import ops
 
-from pergrad.aggregators.statistics import ExampleStatistics
+from pergrad.aggregators.example_statistics import ExampleStatistics
 from pergrad.tensors import scale_rows
 
 

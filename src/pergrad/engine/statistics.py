@@ -50,8 +50,8 @@ def statistics_or_materialized(on_statistics_path, on_materialized_path, owner, 
     (every per-example gradient) instead, logged once per ``owner`` and reason as
     ``"{fallback}: {reason}"``. ``refusal``: where given, ``refusal(reason)`` (an exception)
     is raised instead of falling back (the step's ``path="statistics"``). Used by the train
-    step (``pergrad.step.run_engine``), :func:`per_example_statistics`, ``pergrad.scores``
-    and ``pergrad.diagnostics``; each says what it computes on either path.
+    step (``pergrad.training.step.run_engine``), :func:`per_example_statistics`, ``pergrad.scores``
+    and ``pergrad.insight.diagnostics``; each says what it computes on either path.
     """
     try:
         return on_statistics_path()
@@ -120,7 +120,7 @@ def _batch_loss_gradient(problem, aggregator, trainable_values, non_trainable, b
 
     With ``layers_plan`` (a plan whose calls one batched pass captures), the same backward
     pass also gives every planned call's ``D``: ``aux["layers"]`` holds the batch's
-    :class:`~pergrad.engine.layers.Layers` (for ``pergrad.diagnostics``)."""
+    :class:`~pergrad.engine.layers.Layers` (for ``pergrad.insight.diagnostics``)."""
 
     def total(values):
         loss, y_pred, masks, _ = problem.batch_loss(

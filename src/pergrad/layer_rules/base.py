@@ -273,7 +273,7 @@ class LayerRule:
 
         The per-coordinate second moment of the batch's gradients (BackPACK's
         ``SumGradSquared``; Dangel, Kunstner, Hennig, ICLR 2020), which the gradient
-        signal-to-noise ratio needs (``pergrad.diagnostics``). By default from
+        signal-to-noise ratio needs (``pergrad.insight.diagnostics``). By default from
         :meth:`per_example`; ``Dense`` without a sequence axis and ``Embedding``
         override it with formulas in ``A`` and ``D``.
         """

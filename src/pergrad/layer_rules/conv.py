@@ -52,7 +52,7 @@ import keras
 from keras import ops
 
 from pergrad import compat
-from pergrad.aggregators.statistics import example_squared_norms
+from pergrad.aggregators.example_statistics import example_squared_norms
 from pergrad.backend import optional_kernel
 from pergrad.layer_rules.base import PreActivationRule, register_rule
 from pergrad.layer_rules.dense import (

@@ -19,14 +19,12 @@ Correlated noise (banded matrix factorization, BandMF): :func:`banded_mf_gaussia
 
 User-level DP (the guarantee for one user and all of their examples):
 :func:`user_level_dp_gaussian` on a :class:`UserSampler`, with
-``PrivacyAccountant(..., unit="user")`` (:mod:`pergrad.privacy.units`).
+``PrivacyAccountant(..., unit="user")`` (:mod:`pergrad.privacy.user_level`).
 
 Accounting (:func:`epsilon`, :func:`noise_multiplier_for`) and the one-run
 audit (:func:`audit`: an empirical lower bound on ``epsilon``) need the
 ``dp-accounting`` package (``pip install pergrad[privacy]``; it brings scipy).
 """
-
-import importlib
 
 from pergrad.aggregators.base import UNIT_IDS, UNIT_INPUTS, zero_non_finite_examples
 from pergrad.privacy.accounting import (
@@ -56,6 +54,7 @@ from pergrad.privacy.callbacks import (
     PrivacyBudgetExhaustedError,
     check_dp_fit,
 )
+from pergrad.privacy.canary_audit import audit
 from pergrad.privacy.cyclic import CyclicPoissonSampler
 from pergrad.privacy.dp_sgd import (
     DPGaussian,
@@ -68,7 +67,7 @@ from pergrad.privacy.sampling import (
     max_batch_size_for,
 )
 from pergrad.privacy.tuning import tuning_epsilon, tuning_event
-from pergrad.privacy.units import (
+from pergrad.privacy.user_level import (
     UserLevelDPGaussian,
     UserSampler,
     user_level_dp_gaussian,
@@ -124,10 +123,3 @@ __all__ = [
     "zero_non_finite_examples",
 ]
 
-
-def __getattr__(name):
-    # PEP 562: `audit` trains a PerExampleModel, which imports this package: it lives
-    # above the model (pergrad.audit) and is imported on first use.
-    if name == "audit":
-        return importlib.import_module("pergrad.audit").audit
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ The ``(epsilon, delta)`` guarantee of that event is computed by
 Zhang, 2019), the default, or by its privacy-loss-distribution accountant
 (Koskela et al., 2020; Doroshenko et al., 2022), which is tighter and slower.
 Neighbouring datasets differ by adding or removing one privacy unit: an example,
-or with user-level DP (:mod:`pergrad.privacy.units`) one user and all of its
+or with user-level DP (:mod:`pergrad.privacy.user_level`) one user and all of its
 examples, ``q`` then being the users' sampling rate. Nothing here
 re-implements the analysis: this module only builds the event.
 

@@ -1,7 +1,7 @@
 """Privacy auditing with one training run (Steinke, Nasr and Jagielski, NeurIPS 2023): the bound.
 
-:func:`pergrad.privacy.audit` (in :mod:`pergrad.audit`, above the model it
-trains) runs the audit; this module holds its statistics. ``m`` canaries are
+:func:`pergrad.privacy.audit` (in :mod:`pergrad.privacy.canary_audit`, which trains the
+model) runs the audit; this module holds its statistics. ``m`` canaries are
 each included with probability 1/2; a guesser says "in" or "out" for ``r`` of
 them and is right ``v`` times. If training is ``(epsilon, delta)``-DP, ``v`` is
 stochastically dominated by ``Binomial(r, e^epsilon / (1 + e^epsilon))`` (the

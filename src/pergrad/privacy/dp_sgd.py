@@ -168,7 +168,7 @@ class DPGaussian(WeightedAggregator):
     #: this rule carries a privacy guarantee (and assumes Poisson sampling).
     differentially_private = True
     #: Whose addition or removal the guarantee covers: one example (``"user"``:
-    #: :class:`~pergrad.privacy.units.UserLevelDPGaussian`). The sampler and the
+    #: :class:`~pergrad.privacy.user_level.UserLevelDPGaussian`). The sampler and the
     #: accountant must say the same (``PrivacyAccountant(unit=...)``).
     privacy_unit = "example"
 

@@ -1,8 +1,8 @@
 """``pergrad.privacy.audit``: one-run privacy auditing of DP-SGD (Steinke, Nasr and Jagielski, 2023).
 
-It trains a :class:`~pergrad.PerExampleModel`, so it sits above the model,
-beside the demo; ``pergrad.privacy`` exposes :func:`audit` on first use. The
-statistics are in :mod:`pergrad.privacy.auditing`.
+It trains a :class:`~pergrad.PerExampleModel` on the data it is given (``pergrad demo``
+audits on scikit-learn's digits, :mod:`pergrad.apps.demo`). The statistics are in
+:mod:`pergrad.privacy.auditing`.
 
 A DP implementation can be wrong in ways no unit test sees: noise of the wrong
 scale, a clip applied after the sum, a leak through the denominator. An audit
@@ -49,17 +49,28 @@ import keras
 import numpy as np
 
 from pergrad.arguments import check_integer, check_number
-from pergrad.digits import digits_mlp, load_digits_split
-from pergrad.model import PerExampleModel
 from pergrad.privacy.accounting import epsilon
 from pergrad.privacy.auditing import AuditResult, best_guesses
 from pergrad.privacy.dp_sgd import dp_gaussian, steps_taken
 from pergrad.privacy.sampling import PoissonSampler
+from pergrad.training.model import PerExampleModel
 
 #: The numbers of guesses tried by default, as fractions of the canaries (each
 #: at ``(1 - confidence) / 5``, Bonferroni): few guesses win under noise, many
 #: without it.
 DEFAULT_GUESS_FRACTIONS = (0.05, 0.1, 0.25, 0.5, 0.75)
+
+
+def default_network(features: int, classes: int) -> keras.Model:
+    """Dense(64, relu), Dense(classes, softmax) on ``features`` inputs: the audit's default
+    network, and the demo's (``pergrad.apps.digits``)."""
+    return keras.Sequential(
+        [
+            keras.Input((features,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(classes, activation="softmax"),
+        ]
+    )
 
 
 def _first_dense_kernel(model: keras.Model, features: int):
@@ -114,11 +125,11 @@ def audit(
     Args:
         model_factory: builds the (uncompiled) Keras model from the number of
             input features, ``data``'s plus ``canaries``; its first layer must be
-            a Dense layer on them. Default: the demo's network,
-            :func:`pergrad.digits.digits_mlp`, with one output per class of ``y``.
+            a Dense layer on them. Default: :func:`default_network`, Dense(64, relu)
+            and a softmax with one output per class of ``y`` (the demo's network).
         data: ``(x, y)``: flat float features ``(n, d)`` and integer class labels
-            (the canaries' labels are drawn from ``y``'s classes). Default: the
-            demo's training split of scikit-learn's digits (:mod:`pergrad.digits`).
+            (the canaries' labels are drawn from ``y``'s classes). Required
+            (``pergrad demo`` audits on scikit-learn's digits).
         noise_multiplier: ``z``: the accountant's, and the default rule's.
         l2_norm_clip: ``C`` of the default rule.
         rule: ``rule(expected_batch_size)`` returns the aggregator to audit;
@@ -153,7 +164,7 @@ def audit(
     check_number("audit", "confidence", confidence, low=0, high=1, low_open=True, high_open=True)
     check_number("audit", "noise_multiplier", noise_multiplier, low=0)
     if data is None:
-        data = load_digits_split(0)[0]
+        raise ValueError("audit needs data=(x, y): the examples the audited run trains on.")
     x, y = (np.asarray(part) for part in data)
     if x.ndim != 2 or len(x) != len(y):
         raise ValueError(
@@ -193,7 +204,7 @@ def audit(
         keras.utils.set_random_seed(seed)
     if model_factory is None:
         def model_factory(features):
-            return digits_mlp(features, classes=int(labels.max()) + 1)
+            return default_network(features, classes=int(labels.max()) + 1)
 
     network = model_factory(features + canaries)
     kernel = _first_dense_kernel(network, features + canaries)

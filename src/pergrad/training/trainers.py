@@ -4,7 +4,7 @@ Keras picks a trainer base class per backend (``keras/src/backend/<name>/trainer
 JAX's ``train_step(state, data)`` is stateless (variable values go in and out),
 TensorFlow's and torch's ``train_step(data)`` assign variables. Each mixin calls
 the backend-neutral step (``PerExampleModel._aggregated_gradients``, i.e.
-``pergrad.step.aggregated_gradients``) and hands its gradients to the optimizer
+``pergrad.training.step.aggregated_gradients``) and hands its gradients to the optimizer
 the way its trainer expects. ``keras`` only: no backend is imported here.
 """
 

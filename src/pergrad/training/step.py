@@ -9,7 +9,7 @@ diagnostics) and :func:`post_process` (the non-finite rule, the regularizer, the
 loss scale). Whatever several devices change is asked of one collectives object
 (``pergrad.distributed.training.collectives``: none on one device); the rules
 return local quantities. The backend-specific ``train_step`` glue that calls it
-lives in ``pergrad.trainers``.
+lives in ``pergrad.training.trainers``.
 """
 
 from __future__ import annotations
@@ -202,8 +202,8 @@ def aggregated_gradients(wrapper, trainable_values, non_trainable_values, x, y, 
     result = post_process(wrapper, problem, collectives, scale, result, per_example, aux,
                           trainable_values)
     request = wrapper.diagnostics_request()
-    if request is not None:  # pergrad.diagnostics: logged with the rule's diagnostics
-        from pergrad.diagnostics import batch_values
+    if request is not None:  # pergrad.insight.diagnostics: logged with the rule's diagnostics
+        from pergrad.insight.diagnostics import batch_values
 
         values = batch_values(request, problem, trainable_values, non_trainable_values, x, y,
                               sample_weight, per_example, aux.get("layers"), aux.get("batch_mean"))

@@ -10,12 +10,13 @@ import keras
 from keras import ops, tree
 
 from pergrad import aggregators as aggregators_module
-from pergrad import compat, step, trainers
+from pergrad import compat
 from pergrad.aggregators.base import split_units
 from pergrad.arguments import check_microbatch_size
 from pergrad.backend import adapter
 from pergrad.distributed import training
 from pergrad.engine import PerExampleProblem, check_model, mean_reduced
+from pergrad.training import step, trainers
 
 # JAX's stateless train_step(state, data) or TF's and torch's train_step(data).
 _TrainStep = trainers.for_backend(keras.backend.backend())
@@ -201,19 +202,19 @@ class PerExampleModel(_TrainStep, keras.Model):
         # Registers the DP rules (DPGaussian, AdaptiveDPGaussian, BandedMFGaussian,
         # UserLevelDPGaussian) for keras.saving: their modules are imported on use (never by
         # `import pergrad`, so that pergrad.aggregators does not import them), by name and not
-        # through the pergrad.privacy package, whose `audit` (pergrad.audit) is above this module.
+        # through the pergrad.privacy package, whose `audit` (pergrad.privacy.canary_audit) trains this model.
         import pergrad.privacy.adaptive  # noqa: F401
         import pergrad.privacy.banded_rule  # noqa: F401
         import pergrad.privacy.dp_sgd  # noqa: F401
-        import pergrad.privacy.units  # noqa: F401
+        import pergrad.privacy.user_level  # noqa: F401
 
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects)
         aggregator = keras.saving.deserialize_keras_object(config.pop("aggregator"), custom_objects)
         return cls(model, aggregator, **config)
 
-    # -- internal to pergrad: what the step (pergrad.step, pergrad.trainers) and
-    # pergrad.diagnostics ask of the model; not a user API ----------------------------
+    # -- internal to pergrad: what the step (pergrad.training.step, pergrad.training.trainers) and
+    # pergrad.insight.diagnostics ask of the model; not a user API ----------------------------
 
     def keep_reports(self, reports):
         """Internal to pergrad. Keeps a train step's diagnostics for :meth:`compute_metrics`,
@@ -227,12 +228,12 @@ class PerExampleModel(_TrainStep, keras.Model):
         return self.__dict__.get("_pending_reports", {}).pop(threading.get_ident(), None)
 
     def diagnostics_request(self):
-        """Internal to pergrad. The ``pergrad.diagnostics.DiagnosticsRequest`` the train
+        """Internal to pergrad. The ``pergrad.insight.diagnostics.DiagnosticsRequest`` the train
         step computes, or ``None``."""
         return self.__dict__.get("_diagnostics")
 
     def set_diagnostics_request(self, request) -> None:
-        """Internal to pergrad. Set by ``pergrad.diagnostics.GradientDiagnostics`` around
+        """Internal to pergrad. Set by ``pergrad.insight.diagnostics.GradientDiagnostics`` around
         the steps it asks for (``None``: none); not tracked by Keras."""
         self.__dict__["_diagnostics"] = request
 
@@ -245,7 +246,7 @@ class PerExampleModel(_TrainStep, keras.Model):
         logs = super().compute_metrics(x, y, y_pred, sample_weight)
         if reports is None:
             logs = {k: v for k, v in logs.items() if k not in self.aggregator.diagnostics}
-        else:  # a step's gradient diagnostics (pergrad.diagnostics), as they are
+        else:  # a step's gradient diagnostics (pergrad.insight.diagnostics), as they are
             logs.update({k: v for k, v in reports.items() if k not in self.aggregator.diagnostics})
         return logs
 
@@ -272,7 +273,7 @@ class PerExampleModel(_TrainStep, keras.Model):
     def _aggregated_gradients(self, trainable_values, non_trainable_values, x, y, sample_weight,
                               units=None):
         """Returns ``(gradients, y_pred, new_seed_states, logged_loss)`` for one batch
-        (``pergrad.step``: ``logged_loss`` is ``None`` where the step must compute it);
+        (``pergrad.training.step``: ``logged_loss`` is ``None`` where the step must compute it);
         ``units``: each example's user id, for a user-level rule."""
         return step.aggregated_gradients(
             self, trainable_values, non_trainable_values, x, y, sample_weight, units
@@ -337,7 +338,7 @@ class PerExampleModel(_TrainStep, keras.Model):
         )
 
     def fit(self, x=None, y=None, *args, **kwargs):
-        from pergrad.diagnostics import diagnostics_first
+        from pergrad.insight.diagnostics import diagnostics_first
         from pergrad.privacy.sampling import PoissonSampler
 
         if len(args) > 3:  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)

@@ -1,7 +1,7 @@
 """Training diagnostics on bundled data, as pictures (docs/diagnostics.md, 'Plots').
 
-:func:`diagnostics_report` trains the digits network of ``pergrad.demo`` with
-``mean`` and a :class:`~pergrad.diagnostics.GradientDiagnostics` callback every
+:func:`diagnostics_report` trains the digits network of ``pergrad.apps.demo`` with
+``mean`` and a :class:`~pergrad.insight.diagnostics.GradientDiagnostics` callback every
 step, and draws what it logged: the per-example gradient norm quantiles over
 training, the gradient noise scale next to the batch size used, and the GSNR of
 every layer's variables. Needs scikit-learn (the data) and matplotlib.
@@ -15,8 +15,8 @@ import keras
 import numpy as np
 
 import pergrad
-from pergrad.diagnostics import GradientDiagnostics
-from pergrad.digits import build_model, load_digits_split, pyplot
+from pergrad.apps.digits import build_model, load_digits_split, pyplot
+from pergrad.insight.diagnostics import GradientDiagnostics
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 BATCH_SIZE, EPOCHS, LEARNING_RATE = 64, 12, 3e-3
@@ -43,6 +43,20 @@ def _steps_per_epoch(history, callback) -> float:
     return len(callback.history["step"]) / max(len(history.history["loss"]), 1)
 
 
+def _save(plt, fig, ax, path: str, steps_per_epoch: float, ylabel: str, title: str, legend: str) -> str:
+    """A log-scale plot over the training steps, labelled and written to ``path``."""
+    ax.set_yscale("log")
+    ax.set_xlabel(f"training step ({steps_per_epoch:.0f} per epoch)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(loc=legend, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_norms(callback, path: str, steps_per_epoch: float) -> str:
     plt = pyplot()
     series = callback.history
@@ -54,16 +68,8 @@ def plot_norms(callback, path: str, steps_per_epoch: float) -> str:
                     label="25th-75th percentile")
     ax.plot(steps, series["grad_norm_p50"], color="tab:blue", label="median")
     ax.plot(steps, series["grad_norm_p100"], color="tab:red", lw=0.8, label="largest in the batch")
-    ax.set_yscale("log")
-    ax.set_xlabel(f"training step ({steps_per_epoch:.0f} per epoch)")
-    ax.set_ylabel("per-example gradient norm ||g_i||")
-    ax.set_title("Per-example gradient norms over training (digits MLP, mean)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(loc="upper right", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, steps_per_epoch, ylabel="per-example gradient norm ||g_i||",
+                 title="Per-example gradient norms over training (digits MLP, mean)", legend="upper right")
 
 
 def plot_noise_scale(callback, path: str, batch_size: int, steps_per_epoch: float) -> str:
@@ -77,16 +83,8 @@ def plot_noise_scale(callback, path: str, batch_size: int, steps_per_epoch: floa
     ax.plot(steps, series["noise_scale"], color="tab:purple", lw=2,
             label=f"B_simple (EMA {callback.smoothing:g} of tr(Σ) and |G|²)")
     ax.axhline(batch_size, color="black", ls="--", label=f"batch size used ({batch_size})")
-    ax.set_yscale("log")
-    ax.set_xlabel(f"training step ({steps_per_epoch:.0f} per epoch)")
-    ax.set_ylabel("examples")
-    ax.set_title("Gradient noise scale B_simple = tr(Σ) / |G|²  (McCandlish et al. 2018)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(loc="upper left", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, steps_per_epoch, ylabel="examples", legend="upper left",
+                 title="Gradient noise scale B_simple = tr(Σ) / |G|²  (McCandlish et al. 2018)")
 
 
 def plot_gsnr(callback, path: str, steps_per_epoch: float) -> str:
@@ -106,16 +104,9 @@ def plot_gsnr(callback, path: str, steps_per_epoch: float) -> str:
     # E[mean^2] / var = GSNR + 1 / B for one batch: the level of a gradient without signal.
     size = float(np.median(series["examples"]))
     ax.axhline(1.0 / size, color="gray", ls=":", label=f"1/B = 1/{size:.0f}: no signal")
-    ax.set_yscale("log")
-    ax.set_xlabel(f"training step ({steps_per_epoch:.0f} per epoch)")
-    ax.set_ylabel(f"mean GSNR over the variable (moving average of {window} steps)")
-    ax.set_title("Gradient signal-to-noise ratio per variable (Liu et al. 2020)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(loc="upper right", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, steps_per_epoch, legend="upper right",
+                 ylabel=f"mean GSNR over the variable (moving average of {window} steps)",
+                 title="Gradient signal-to-noise ratio per variable (Liu et al. 2020)")
 
 
 def diagnostics_report(output_dir: str, seed: int = 0) -> list[str]:

@@ -1,15 +1,13 @@
-"""The digits that ``pergrad demo``, ``pergrad insight`` and ``pergrad.privacy.audit`` train on:
-scikit-learn's bundled digits and the demo's small network; and the commands' plotting module.
-
-It imports nothing from pergrad, so that every module above the model (the demo, the
-insight commands, the audit that ``pergrad.privacy`` exposes) can use it without
-importing the others.
+"""The digits that ``pergrad demo`` and ``pergrad insight`` train on (scikit-learn's bundled
+digits) and the demo's small network; and the commands' plotting module.
 """
 
 from __future__ import annotations
 
 import keras
 import numpy as np
+
+from pergrad.privacy.canary_audit import default_network
 
 
 def load_digits_split(seed: int = 0):
@@ -27,13 +25,7 @@ def load_digits_split(seed: int = 0):
 
 def digits_mlp(features: int = 64, classes: int = 10) -> keras.Model:
     """The demo's network: Dense(64, relu), Dense(classes, softmax) on ``features`` inputs."""
-    return keras.Sequential(
-        [
-            keras.Input((features,)),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(classes, activation="softmax"),
-        ]
-    )
+    return default_network(features, classes)
 
 
 def build_model(seed: int) -> keras.Model:

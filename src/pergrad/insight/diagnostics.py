@@ -368,7 +368,7 @@ class GradientDiagnostics(keras.callbacks.Callback):
         from pergrad.distributed.training import replicated
 
         model = self.model
-        if not hasattr(model, "set_diagnostics_request"):  # (pergrad.model imports this module)
+        if not hasattr(model, "set_diagnostics_request"):  # (pergrad.training.model imports this module)
             raise TypeError(
                 "GradientDiagnostics needs a pergrad.PerExampleModel (its train step computes "
                 f"the per-example statistics); got {type(model).__name__}. Wrap the model: "

@@ -19,7 +19,7 @@ import numpy as np
 
 import pergrad
 from pergrad import aggregators
-from pergrad.digits import build_model, digits_mlp, load_digits_split, pyplot
+from pergrad.apps.digits import build_model, digits_mlp, load_digits_split, pyplot
 
 #: (label, factory) pairs; factories so that each run gets a fresh aggregator.
 #: Robust rules come alone and after bucketing (Karimireddy et al., 2022):

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
-from pergrad.digits import build_model, load_digits_split, pyplot
-from pergrad.scores import scores
+from pergrad.apps.digits import build_model, load_digits_split, pyplot
+from pergrad.insight.scoring import scores
 
 #: The rankings of the finder, in the plots' order; "random" is the baseline.
 RANKINGS = ("self_influence", "el2n", "grand", "loss", "random")
@@ -241,9 +241,9 @@ def plot_pruning(result: PruningResult, path: str) -> str:
 
 def _diagnostics(out_dir: str, seed: int, echo) -> None:
     """The training diagnostics' plots (norm quantiles, noise scale over training, GSNR)."""
-    from pergrad.insight_diagnostics import diagnostics_report
+    from pergrad.apps.insight_diagnostics import diagnostics_report
 
-    echo("Training diagnostics (pergrad.diagnostics.GradientDiagnostics) written:")
+    echo("Training diagnostics (pergrad.insight.diagnostics.GradientDiagnostics) written:")
     for path in diagnostics_report(out_dir, seed):
         echo(f"  {path}")
 
