@@ -124,10 +124,13 @@ def _backbone(name: str, mode: str, seed: int = 0):
     model.compile(loss=keras.losses.BinaryCrossentropy(from_logits=True))
     rng = np.random.default_rng(seed)
     images = rng.uniform(0.0, 255.0, size=(B, size, size, 3)).astype("float32")
-    x = getattr(keras.applications, family(name)).preprocess_input(images)  # what the base expects
+    x = np.asarray(getattr(keras.applications, family(name)).preprocess_input(images), "float32")
     # One label for both: at a random base's near-zero logits, the two examples' bias gradients
-    # (sigmoid(0) - y) would otherwise cancel in every rule.
-    return model, np.asarray(x, "float32"), np.ones((B, 1), "float32")
+    # (sigmoid(0) - y) would otherwise cancel in every rule. The label the logits are not on:
+    # a random base's features can be large (EfficientNetV2L's logits pass 17), where
+    # sigmoid(z) - 1 is exactly 0 in float32 and there would be no gradient to compare.
+    label = float(np.mean(keras.ops.convert_to_numpy(model(x, training=False))) < 0)
+    return model, x, np.full((B, 1), label, "float32")
 
 
 def _draws_random(model) -> bool:

@@ -228,6 +228,76 @@ def test_a_resumed_fit_continues_the_recurrence(tmp_path):
     assert not all(np.allclose(a, b, atol=1e-4) for a, b in zip(weights_of(lost), weights_of(whole)))
 
 
+def test_a_resume_on_other_groups_is_refused(tmp_path):
+    """A resumed BandMF run must draw from the groups its buffers' noise was added on: a sampler
+    with seed=None made anew (as in a new process), or another seed, is refused before any step,
+    after a load and after BackupAndRestore's restore; the same sampler, or one of the same seed,
+    continues. A new run (step 0) takes any sampler."""
+    x, y = data()
+
+    def build():
+        rule = banded_mf_gaussian(1.0, 1.0, bands=3, expected_batch_size=12.0, seed=2)
+        model = pergrad.PerExampleModel(network(), rule)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    def sampler(seed=None):
+        return CyclicPoissonSampler(x, y, sampling_rate=0.6, cycle_length=3, seed=seed, steps_per_epoch=4)
+
+    first = sampler()
+    assert first.groups_fingerprint != sampler().groups_fingerprint  # new secret groups
+    assert sampler(7).groups_fingerprint == sampler(7).groups_fingerprint
+    model = build()
+    backups = tmp_path / "backups"
+    model.fit(first, epochs=1, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backups)])
+    assert model.aggregator.groups_fingerprint == first.groups_fingerprint
+    path = tmp_path / "bandmf.keras"
+    model.save(path)
+
+    def refused(model, data, callbacks=None):
+        before, steps = weights_of(model), steps_of(model)
+        with pytest.raises(ValueError, match="other groups"):
+            model.fit(data, epochs=1, verbose=0, callbacks=callbacks)
+        assert steps_of(model) == steps
+        for a, b in zip(weights_of(model), before):
+            np.testing.assert_array_equal(a, b)
+
+    loaded = keras.models.load_model(path)
+    assert loaded.aggregator.groups_fingerprint == first.groups_fingerprint
+    refused(loaded, sampler())  # a new process: seed=None draws new groups
+    refused(loaded, sampler(7))
+    refused(model, sampler())  # the same process, another sampler
+    model.fit(first, epochs=1, verbose=0)  # the same sampler continues
+    assert steps_of(model) == 8
+    loaded.fit(first, epochs=1, verbose=0)
+    assert steps_of(loaded) == 8
+
+    # BackupAndRestore after an interrupted run, in a "new process": the restore brings the
+    # groups' fingerprint with the buffers, and the check runs after it.
+    interrupted = build()
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        interrupted.fit(first, epochs=2, verbose=0,
+                        callbacks=[keras.callbacks.BackupAndRestore(tmp_path / "b2", save_freq=1), Stop()])
+    fresh, restore = build(), [keras.callbacks.BackupAndRestore(tmp_path / "b2")]
+    with pytest.raises(ValueError, match="other groups"):
+        fresh.fit(sampler(), epochs=2, verbose=0, callbacks=restore)
+    fresh = build()
+    fresh.fit(first, epochs=2, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(tmp_path / "b2")])
+    assert steps_of(fresh) > 8  # continued from the restored count (2 steps; Keras reruns the epoch)
+
+    new = build()  # a new run takes any sampler, and a file from before a fit records none
+    new.save(tmp_path / "new.keras")
+    assert keras.models.load_model(tmp_path / "new.keras").aggregator.groups_fingerprint is None
+    new.fit(sampler(), epochs=1, verbose=0)
+    assert steps_of(new) == 4
+
+
 def test_the_file_holds_the_buffers_and_never_the_key(tmp_path):
     x, y = data(8)
     model = pergrad.PerExampleModel(network(), banded_mf_gaussian(1.0, 1.0, bands=4, expected_batch_size=4.0))

@@ -120,6 +120,26 @@ class BandedMFGaussian(DPGaussian):
                          expected_batch_size=expected_batch_size, seed=seed, diagnostics=diagnostics,
                          **kwargs)
         self.noise_buffers = []
+        #: The :attr:`~pergrad.privacy.CyclicPoissonSampler.groups_fingerprint` of the sampler
+        #: whose groups the buffers' noise was added on (saved with them); None before a fit.
+        self.groups_fingerprint = None
+
+    def continue_on(self, fingerprint: str, steps: int) -> None:
+        """Called when a fit begins on a :class:`~pergrad.privacy.CyclicPoissonSampler` of the
+        groups ``fingerprint``, the model at step ``steps``: a fit that continues the noise's
+        recurrence (``steps > 0``) must keep the groups its earlier steps were drawn from, or
+        an example's participations on either side of the resumption need not be ``bands``
+        steps apart. Raises before any step if they differ; records them otherwise."""
+        if steps > 0 and fingerprint != self.groups_fingerprint:
+            raise ValueError(
+                f"This banded_mf_gaussian model has taken {steps} steps, and its noise buffers "
+                "continue their correlation, but the CyclicPoissonSampler of this fit has other "
+                "groups than the one they were drawn on (a sampler made with seed=None draws new "
+                "groups in each process), so participations around the resumption need not be "
+                f"{self.bands} steps apart. Resume with the sampler of the same seed (pass seed= "
+                "when making it, and keep it as secret as the checkpoint), or start a new run."
+            )
+        self.groups_fingerprint = fingerprint
 
     @property
     def bands(self) -> int:
@@ -139,6 +159,9 @@ class BandedMFGaussian(DPGaussian):
         super().save_own_variables(store)  # the step count (never the key)
         for k, buffer in enumerate(self.noise_buffers):
             store[f"noise_buffer_{k}"] = buffer
+        if self.noise_buffers:  # which groups the buffers' noise was added on (32 bytes, 0: none)
+            store["groups_fingerprint"] = np.frombuffer(
+                bytes.fromhex(self.groups_fingerprint or "00" * 32), np.uint8)
 
     def load_own_variables(self, store):
         missing = [f"noise_buffer_{k}" for k in range(len(self.noise_buffers))
@@ -151,6 +174,10 @@ class BandedMFGaussian(DPGaussian):
         super().load_own_variables(store)
         for k, buffer in enumerate(self.noise_buffers):
             buffer.assign(store[f"noise_buffer_{k}"])
+        if self.noise_buffers:
+            recorded = bytes(np.asarray(store["groups_fingerprint"], np.uint8)) \
+                if "groups_fingerprint" in store else bytes(32)
+            self.groups_fingerprint = recorded.hex() if any(recorded) else None
 
     def step_noise(self, result: list, stats: ExampleStatistics, step) -> list:
         """``w_t``, one step of the recurrence on :meth:`DPGaussian.step_noise`'s ``z_t``;

@@ -20,11 +20,13 @@ for the batches (``seed=None``, :meth:`PoissonSampler.set_step`) keeps them, so 
 ``b`` steps apart across it. They are secret like the seed: the analysis takes the worst group, but
 a known assignment of *positions* to groups would tell which examples moved when one is removed.
 
-**Not yet.** A run resumed in a new process with ``seed=None`` draws new groups, so participations
-just before and after the resumption need not be ``b`` apart, and the BandMF rule
+**Resuming in a new process.** A sampler made there with ``seed=None`` draws new groups, so
+participations just before and after the resumption need not be ``b`` apart while the BandMF rule
 (:func:`~pergrad.privacy.banded_mf_gaussian`) continues its noise correlation over that boundary.
-Resume BandMF training in the same process (``BackupAndRestore`` within one ``fit``), or keep the
-sampler's seed as secret as the checkpoint and pass it again.
+``fit`` refuses it: the rule records (and saves, with its noise buffers) :attr:`groups_fingerprint`,
+a SHA-256 of the groups' seed, and a fit that continues its steps must bring a sampler of the same
+groups. To resume BandMF in a new process, make the sampler with ``seed=`` from the start and keep
+the seed as secret as the checkpoint (which is secret anyway: the buffers are).
 
 References:
     Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta and Xu, 2023, "(Amplified) banded
@@ -34,11 +36,13 @@ References:
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
 from keras import tree
 
+from pergrad.privacy.dp_sgd import steps_taken
 from pergrad.privacy.sampling import PoissonSampler, default_bucket_width, max_batch_size_for
 
 # The SeedSequence spawn key of the groups' stream: three words, so no step's key ``(t,)``
@@ -105,6 +109,19 @@ class CyclicPoissonSampler(PoissonSampler):
             stream.bit_generator.advance(self._offset)
         groups = np.floor(stream.random(self.shard_size) * self.cycle_length).astype(np.int64)
         self._groups = np.minimum(groups, self.cycle_length - 1)
+        #: Which groups these are: a SHA-256 of their seed, cycle length and data set size (the
+        #: same on every process); the BandMF rule records it and refuses to continue its noise
+        #: on other groups (:meth:`begin_fit`).
+        self.groups_fingerprint = hashlib.sha256(
+            f"{self._entropy}:{self.cycle_length}:{whole}".encode()).hexdigest()
+
+    def begin_fit(self, model) -> None:
+        """As :meth:`PoissonSampler.begin_fit`; a rule with correlated noise over several bands
+        continues its recurrence only on these groups (:meth:`BandedMFGaussian.continue_on`)."""
+        super().begin_fit(model)
+        rule = getattr(model, "aggregator", None)
+        if getattr(rule, "bands", 1) > 1:
+            rule.continue_on(self.groups_fingerprint, steps_taken(model))
 
     @property
     def min_separation(self) -> int:

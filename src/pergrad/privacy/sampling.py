@@ -413,6 +413,11 @@ class PoissonSampler(keras.utils.PyDataset):
                 self._entropy = _secret_entropy()
             self._step = step
 
+    def begin_fit(self, model) -> None:
+        """``fit`` calls it when training begins, after any restore (``BackupAndRestore``): the
+        next draw is that of the model's step count."""
+        self.set_step(steps_taken(model))
+
     def with_step_callback(self, callbacks=None):
         """``callbacks`` followed by the callback that sets :attr:`step` at train begin."""
         sync = _StepSync(self)
@@ -510,4 +515,4 @@ class _StepSync(keras.callbacks.Callback):
         self.sampler = sampler
 
     def on_train_begin(self, logs=None):
-        self.sampler.set_step(steps_taken(self.model))
+        self.sampler.begin_fit(self.model)
