@@ -4,7 +4,7 @@ The coordinate-wise rules need, for each coordinate of a ``(B, ...)``
 per-example gradient, a few ranks of its ``B`` values. A full comparator sort
 over the batch axis is slow on XLA:CPU (``ops.sort``), so each backend selects
 the needed ranks with what it does fast (see ``benchmarks/selection.py`` for
-the measurements behind ``_STRATEGY``):
+the measurements behind ``_strategy``):
 
 - ``"unrolled"`` (JAX and TensorFlow up to B = 128): a bitonic sorting network
   on the ``B`` rows as separate tensors of the variable's shape; XLA (JAX's
@@ -44,11 +44,10 @@ from keras import ops
 
 from pergrad.backend import adapter, eager, optional_kernel
 
-# The fastest strategy per backend, from benchmarks/selection.py.
-_STRATEGY = {"tensorflow": "network", "jax": "network", "torch": "backend"}
-# Backends whose compiler fuses an unrolled network (XLA), and the largest batch it is
-# unrolled for (its size grows as B log^2 B; measured faster up to B = 128 on JAX).
-_COMPILERS = ("jax", "tensorflow")
+# The fastest strategy, from benchmarks/selection.py: where the backend runs the step eagerly
+# (torch) its adapter's kernels; where a compiler (XLA: JAX, TensorFlow) fuses the step, the
+# unrolled network up to this batch (its size grows as B log^2 B; measured faster up to B = 128
+# on JAX), the blocked network above it.
 _UNROLLED_BATCH = 128
 # Values per column block of the sorting network (1 MiB of float32: stays in cache).
 _BLOCK = 1 << 18
@@ -57,11 +56,10 @@ _UNBLOCKED_BATCH = 16
 
 
 def _strategy(x=None) -> str:
-    backend = keras.backend.backend()
+    if eager():
+        return "backend"
     b = None if x is None else _static_batch(x)
-    if backend in _COMPILERS and b is not None and b <= _UNROLLED_BATCH:
-        return "unrolled"
-    return _STRATEGY.get(backend, "sort")
+    return "unrolled" if b is not None and b <= _UNROLLED_BATCH else "network"
 
 
 def _static_batch(x):

@@ -3,6 +3,7 @@
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -124,3 +125,11 @@ def data_part(layout):
             "mesh's devices by process (keras.distribution.list_devices())."
         )
     return start // count, size // count
+
+
+def batch_sum(values):
+    """``(B, ...) -> (...)``: the sum over the batch axis as the transposed rows times a vector
+    of ones. XLA:CPU reduces over a leading axis of a fused expression ~20x slower than this
+    product (a 64 x 270k sign sum in a JAX step: 366 ms against 16 ms; ones on the left: 78 ms)."""
+    rows = jnp.reshape(values, (values.shape[0], -1))
+    return jnp.reshape(rows.T @ jnp.ones((values.shape[0],), rows.dtype), values.shape[1:])
