@@ -162,3 +162,29 @@ def test_audit_refuses_what_its_canaries_cannot_enter():
         audit(data=(x, np.zeros(20, "float32")), canaries=4, seed=0)
     with pytest.raises(ValueError, match="flat features"):
         audit(data=(np.zeros((20, 2, 2), "float32"), y), canaries=4, seed=0)
+
+
+def small_banded_audit(noise_multiplier, bands=4, seed=0):
+    """The small audit with BandMF: 4 groups, each step one group at q = 0.2, so 8 epochs are
+    160 steps and each canary takes part at most 40 times, DP-SGD's 40 steps: the same noise
+    gives epsilon = 1."""
+    (x, y), _ = load_digits_split(0)
+
+    def rule(expected_batch_size):
+        return privacy.banded_mf_gaussian(1.0, noise_multiplier, bands=bands,
+                                          expected_batch_size=expected_batch_size, seed=seed)
+
+    return audit(data=(x[:REAL], y[:REAL]), noise_multiplier=NOISE, rule=rule, canaries=CANARIES,
+                 sampling_rate=RATE, cycle_length=4, bucket_width=REAL + CANARIES, epochs=EPOCHS,
+                 delta=DELTA, seed=seed)
+
+
+def test_audit_of_banded_mf_stays_below_its_epsilon_and_catches_it_without_noise():
+    result = small_banded_audit(NOISE)
+    assert result.steps == 4 * EPOCHS * round(1 / RATE)
+    assert result.epsilon == pytest.approx(1.0, abs=1e-3)  # ceil(160 / 4) = 40 participations
+    assert result.epsilon_lower_bound <= result.epsilon
+    broken = small_banded_audit(0.0)
+    assert broken.epsilon == pytest.approx(1.0, abs=1e-3)
+    np.testing.assert_array_equal(broken.scores[~broken.membership], 0.0)
+    assert broken.epsilon_lower_bound > 3.0

@@ -51,6 +51,8 @@ import numpy as np
 from pergrad.arguments import check_integer, check_number
 from pergrad.privacy.accounting import epsilon
 from pergrad.privacy.auditing import AuditResult, best_guesses
+from pergrad.privacy.banded_accounting import banded_mf_epsilon
+from pergrad.privacy.cyclic import CyclicPoissonSampler
 from pergrad.privacy.dp_sgd import dp_gaussian, steps_taken
 from pergrad.privacy.sampling import PoissonSampler
 from pergrad.training.model import PerExampleModel
@@ -100,6 +102,7 @@ def audit(
     rule: Callable | None = None,
     canaries: int = 500,
     sampling_rate: float | None = None,
+    cycle_length: int = 1,
     bucket_width: int | None = None,
     epochs: int = 10,
     optimizer: Callable[[], keras.optimizers.Optimizer] | None = None,
@@ -139,6 +142,11 @@ def audit(
         canaries: ``m``. More canaries make a stronger audit (the bound cannot
             exceed about ``log(m)``) and a wider first layer.
         sampling_rate: ``q``; default ``64 / (n + canaries)`` (at most 1).
+        cycle_length: ``k > 1`` trains on a :class:`~pergrad.privacy.CyclicPoissonSampler` of
+            ``k`` groups (each step samples one group at rate ``q``), as a rule with correlated
+            noise over ``b <= k`` bands needs (``rule`` returning
+            :func:`~pergrad.privacy.banded_mf_gaussian`), and the accountant's ``epsilon`` is
+            :func:`~pergrad.privacy.banded_mf_epsilon`'s (``ceil(steps / k)`` participations).
         bucket_width: the sampler's (:class:`~pergrad.privacy.PoissonSampler`);
             ``n + canaries`` pads every batch to one shape, one compilation.
         epochs: passes of ``round(1 / q)`` steps. A canary that is never sampled
@@ -190,9 +198,14 @@ def audit(
     size = rows + canaries
     rate = min(1.0, 64.0 / size) if sampling_rate is None else sampling_rate
     check_number("audit", "sampling_rate", rate, low=0, high=1, low_open=True)
-    sampler = PoissonSampler(
-        train_x, train_y, sample_weight=weights, sampling_rate=rate, bucket_width=bucket_width, seed=seed
-    )
+    cycle_length = check_integer("audit", "cycle_length", cycle_length)
+    if cycle_length > 1:
+        sampler = CyclicPoissonSampler(train_x, train_y, sample_weight=weights, sampling_rate=rate,
+                                       cycle_length=cycle_length, bucket_width=bucket_width, seed=seed)
+    else:
+        sampler = PoissonSampler(
+            train_x, train_y, sample_weight=weights, sampling_rate=rate, bucket_width=bucket_width, seed=seed
+        )
     if rule is None:
 
         def rule(expected_batch_size):
@@ -232,7 +245,9 @@ def audit(
     steps = steps_taken(model)
     return AuditResult(
         epsilon_lower_bound=bound,
-        epsilon=epsilon(noise_multiplier, rate, steps, delta, accountant),
+        epsilon=epsilon(noise_multiplier, rate, steps, delta, accountant) if cycle_length == 1 else
+        banded_mf_epsilon(noise_multiplier, rate, steps, delta, bands=getattr(model.aggregator, "bands", 1),
+                          cycle_length=cycle_length, accountant=accountant),
         delta=delta,
         confidence=confidence,
         canaries=canaries,
