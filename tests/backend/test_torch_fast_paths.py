@@ -125,7 +125,8 @@ def test_statistics_helpers_in_raw_torch_match_the_keras_ops_ones(monkeypatch):
     import torch
     from keras import ops
 
-    from pergrad.aggregators import basic, statistics
+    from pergrad.aggregators import basic
+    from pergrad.aggregators import example_statistics as statistics
     from pergrad.aggregators.base import report_values
     from pergrad.backend import torch as adapter
 
