@@ -71,7 +71,8 @@ def step_cost(bands_list, rounds: int, clock: str) -> None:
     print("|---|---|---|---|")
     for name, times in samples.items():
         bands = int(name.split("=")[1]) if name.startswith("bandmf") else 1
-        state = f"{bands - 1} x {parameters} float32 ({4 * (bands - 1) * parameters / 2**20:.1f} MiB)"
+        slots = bands - 1
+        state = f"{slots} x {parameters} float32 ({4 * slots * parameters / 2**20:.1f} MiB)"
         print(f"| {name} | {1e3 * statistics.median(times.values()):.2f} | "
               f"{median_ratio(times, samples['dp_gaussian']):.3f} | {state if bands > 1 else '-'} |")
 

@@ -6,6 +6,7 @@ PrivacyAccountant reports BandMF's epsilon."""
 from __future__ import annotations
 
 import io
+import math
 import warnings
 import zipfile
 
@@ -73,9 +74,12 @@ def test_the_noise_is_the_inverse_strategy_applied_to_dp_gaussians_noise(strateg
     expected = np.linalg.solve(strategy.matrix(steps), z)
     np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-5 * scale)
     assert not np.allclose(w[1:], z[1:] / strategy.coefficients[0], atol=0.1 * scale)  # correlated
-    assert [tuple(b.shape) for b in rule.noise_buffers] == [(strategy.bands - 1, *s) for s in shapes]
-    newest = np.concatenate([np.ravel(ops.convert_to_numpy(b)[0]) for b in rule.noise_buffers])
-    np.testing.assert_allclose(newest, w[-1], rtol=1e-6, atol=1e-7)
+    slots = strategy.bands - 1
+    assert tuple(rule.noise_buffer.shape) == (slots, sum(math.prod(s) for s in shapes))
+    # A ring: w_t in slot t mod slots, the last b - 1 noises all there.
+    buffer = ops.convert_to_numpy(rule.noise_buffer)
+    for lag in range(1, strategy.bands):
+        np.testing.assert_allclose(buffer[(steps - lag) % slots], w[-lag], rtol=1e-6, atol=1e-7)
 
 
 def test_a_step_past_the_budget_leaves_the_buffers_as_they_were():
@@ -85,12 +89,11 @@ def test_a_step_past_the_budget_leaves_the_buffers_as_they_were():
     rule = banded_mf_gaussian(1.0, 1.0, bands=3, expected_batch_size=2.0, seed=5)
     reference = noises(banded_mf_gaussian(1.0, 1.0, bands=3, expected_batch_size=2.0, seed=5), shapes, 4)
     np.testing.assert_array_equal(noises(rule, shapes, 2), reference[:2])
-    kept = [np.array(ops.convert_to_numpy(b)) for b in rule.noise_buffers]
+    kept = np.array(ops.convert_to_numpy(rule.noise_buffer))
     rule.step_limit.assign(2)
     noises(rule, shapes, 2)
     assert steps_of_rule(rule) == 2
-    for buffer, before in zip(rule.noise_buffers, kept):
-        np.testing.assert_array_equal(ops.convert_to_numpy(buffer), before)
+    np.testing.assert_array_equal(ops.convert_to_numpy(rule.noise_buffer), kept)
     rule.step_limit.assign(2**31 - 1)
     np.testing.assert_array_equal(noises(rule, shapes, 2), reference[2:])
 
@@ -181,7 +184,7 @@ def test_one_band_is_dp_gaussian_exactly():
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         model.fit(PoissonSampler(x, y, sampling_rate=0.2, seed=1), epochs=1, verbose=0)
         trained.append(weights_of(model))
-    assert model.aggregator.noise_buffers == []
+    assert model.aggregator.noise_buffer is None
     for a, b in zip(*trained):
         np.testing.assert_array_equal(a, b)
 
@@ -216,14 +219,13 @@ def test_a_resumed_fit_continues_the_recurrence(tmp_path):
     assert steps_of(loaded) == steps_of(whole) == 10
     for a, b in zip(weights_of(loaded), weights_of(whole)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    for a, b in zip(loaded.aggregator.noise_buffers, whole.aggregator.noise_buffers):
-        np.testing.assert_allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ops.convert_to_numpy(loaded.aggregator.noise_buffer),
+                               ops.convert_to_numpy(whole.aggregator.noise_buffer), rtol=1e-6, atol=1e-7)
 
     lost = build()
     lost.load_weights(weights)
     assert steps_of(lost) == 5
-    for buffer in lost.aggregator.noise_buffers:
-        buffer.assign(ops.zeros(buffer.shape))
+    lost.aggregator.noise_buffer.assign(ops.zeros(lost.aggregator.noise_buffer.shape))
     lost.fit(sampler(), epochs=1, verbose=0)
     assert not all(np.allclose(a, b, atol=1e-4) for a, b in zip(weights_of(lost), weights_of(whole)))
 
@@ -298,6 +300,27 @@ def test_a_resume_on_other_groups_is_refused(tmp_path):
     assert steps_of(new) == 4
 
 
+def test_weights_of_other_bands_are_refused_at_the_load(tmp_path):
+    """A buffer saved for 3 bands does not continue a 4-band recurrence: the load raises, naming
+    the shapes, rather than assigning a ring of other slots."""
+    x, y = data(8)
+
+    def model_of(bands):
+        model = pergrad.PerExampleModel(network(), banded_mf_gaussian(1.0, 1.0, bands=bands,
+                                                                      expected_batch_size=4.0))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.train_on_batch(x, y)
+        return model
+
+    path = tmp_path / "three.weights.h5"
+    model_of(3).save_weights(path)
+    other = model_of(4)
+    before = ops.convert_to_numpy(other.aggregator.noise_buffer).copy()
+    with pytest.raises(ValueError, match=r"no noise buffer of shape \(3, 19\)"):
+        other.load_weights(path)
+    np.testing.assert_array_equal(ops.convert_to_numpy(other.aggregator.noise_buffer), before)
+
+
 def test_the_file_holds_the_buffers_and_never_the_key(tmp_path):
     x, y = data(8)
     model = pergrad.PerExampleModel(network(), banded_mf_gaussian(1.0, 1.0, bands=4, expected_batch_size=4.0))
@@ -314,16 +337,16 @@ def test_the_file_holds_the_buffers_and_never_the_key(tmp_path):
         stored.visititems(lambda name, item: names.append(name) if isinstance(item, h5py.Dataset) else None)
         for name in names:
             values.extend(np.ravel(stored[name][()]).tolist())
-    assert sum("noise_buffer" in name for name in names) == 4, names
+    assert sum("noise_buffer" in name for name in names) == 1, names
     assert not any("key" in name or "seed" in name for name in names), names
     assert key_words.isdisjoint(int(v) for v in values if float(v).is_integer())
     assert not any(str(word) in config for word in key_words if abs(word) > 1000)
     loaded = keras.models.load_model(path)
     assert not np.array_equal(ops.convert_to_numpy(loaded.aggregator.noise_key),
                               ops.convert_to_numpy(model.aggregator.noise_key))  # a new secret key
-    for a, b in zip(loaded.aggregator.noise_buffers, model.aggregator.noise_buffers):
-        np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
-        assert np.any(ops.convert_to_numpy(a)[0] != 0) and np.all(ops.convert_to_numpy(a)[1:] == 0)
+    a, b = (ops.convert_to_numpy(m.aggregator.noise_buffer) for m in (loaded, model))
+    np.testing.assert_array_equal(a, b)
+    assert np.all(a[0] != 0) and np.all(a[1:] == 0)  # one step: slot 0 written, the rest zeros
 
 
 # -- refusals -------------------------------------------------------------------------------

@@ -136,6 +136,10 @@ OPTIONAL_KERNELS = {
     "noise_words": (
         "NumPy's Philox-4x64-10 random words for DP noise, a chunk at a time (torch)."
     ),
+    "assign_slot": (
+        "``variable[index] = value`` along the first axis, in place; ``False`` where it "
+        "cannot (under a ``tf.distribute`` strategy) (TensorFlow, torch; :func:`assign_slot`)."
+    ),
     # -- the engine
     "grad_with_aux_at_outputs": (
         "Gradients with respect to the parameters and to intermediate outputs in one "
@@ -171,6 +175,19 @@ def traced_apart(fn):
     runs eagerly)."""
     apart = optional_kernel("traced_apart")
     return fn() if apart is None else apart(fn)
+
+
+def assign_slot(variable, index, value):
+    """``variable[index] = value`` on the first axis of a Keras variable (``index`` a scalar
+    tensor, ``value`` of the shape of one slot): a ring buffer's write of one slot
+    (:class:`~pergrad.privacy.BandedMFGaussian`). In place where the adapter's kernel is
+    (TensorFlow's scatter update, torch's ``index_copy_``); elsewhere the variable is assigned
+    ``keras.ops.slice_update`` of its value, which XLA updates in place on JAX because the
+    train step donates its state."""
+    kernel = optional_kernel("assign_slot")
+    if kernel is None or kernel(variable, index, value) is False:
+        start = [index] + [0] * (len(variable.shape) - 1)
+        variable.assign(keras.ops.slice_update(variable.value, start, keras.ops.expand_dims(value, 0)))
 
 
 def adapter():

@@ -391,3 +391,14 @@ def process_index():
     """This worker's index in the ``TF_CONFIG`` cluster (the chief first), 0 without one."""
     cluster = _cluster()
     return 0 if cluster is None else cluster[1]
+
+
+def assign_slot(variable, index, value):
+    """``variable[index] = value`` on the first axis, in place (one ``ResourceScatterUpdate``,
+    not a new tensor of the variable's size); ``False`` under a ``tf.distribute`` strategy,
+    whose mirrored variables take the generic assignment."""
+    if tf.distribute.has_strategy():
+        return False
+    index = tf.reshape(tf.cast(index, "int32"), (1,))
+    variable.value.scatter_update(tf.IndexedSlices(tf.expand_dims(value, 0), index))
+    return None

@@ -569,6 +569,12 @@ def sorted_ranks(x, lo, hi, block_bytes=1 << 20, with_nan=False):
     return (ordered, torch.from_numpy(nan)) if with_nan else ordered
 
 
+def assign_slot(variable, index, value):
+    """``variable[index] = value`` on the first axis, in place (``index_copy_``)."""
+    with torch.no_grad():
+        variable.value.index_copy_(0, torch.as_tensor(index, dtype=torch.long).reshape(1), value.unsqueeze(0))
+
+
 def noise_words(key, step, count, chunk=1 << 16):
     """DP noise's random words (``pergrad.privacy.noise``), ``chunk`` coordinates at a time:
     yields ``(4, n)`` int32 NumPy arrays (bit patterns: torch has no unsigned 32-bit

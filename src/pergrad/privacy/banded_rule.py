@@ -3,8 +3,8 @@
 :class:`BandedMFGaussian` clips and sums as :class:`~pergrad.privacy.DPGaussian` and, instead of
 the step's independent noise ``z_t``, adds ``w_t = (C^-1 Z)_t`` for a banded Toeplitz strategy
 ``C`` (:class:`~pergrad.privacy.BandedStrategy`), by the recurrence of
-:func:`~pergrad.privacy.correlate_step` over ``b - 1`` buffers of past noises, Keras variables of
-the rule. The mechanism, the sampler it needs and its accounting are in docs/banded-mf.md and
+:func:`~pergrad.privacy.correlate_step` over the last ``b - 1`` noises, in a ring buffer, a Keras
+variable of the rule. The mechanism, the sampler it needs and its accounting are in docs/banded-mf.md and
 :mod:`pergrad.privacy.banded`, :mod:`pergrad.privacy.banded_accounting`.
 
 References:
@@ -15,13 +15,16 @@ References:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from keras import ops
 
 from pergrad.aggregators.base import ExampleStatistics, serializable
 from pergrad.arguments import check_number
+from pergrad.backend import assign_slot
 from pergrad.privacy.banded import BandedStrategy
-from pergrad.privacy.dp_sgd import DPGaussian
+from pergrad.privacy.dp_sgd import DPGaussian, split_like
 
 
 def _strategy(bands, strategy) -> BandedStrategy:
@@ -66,19 +69,20 @@ class BandedMFGaussian(DPGaussian):
     given unnormalized is normalized here: the same model, at the noise this ``z`` calls for.
     With ``b = 1`` the strategy is ``C = I`` and the rule is ``dp_gaussian``, noise for noise.
 
-    **State.** ``noise_buffers``: one non-trainable float32 variable per trainable variable of
-    the model, of shape ``(b - 1, *variable.shape)``, the last ``b - 1`` noises ``w`` added to
-    the update (newest first): ``b - 1`` copies of the parameters. Regenerating the past ``z``
-    from the key instead would need the whole history, ``C^-1`` being dense. The buffers are
-    updated in the train step (carried through the JAX step like ``step_count``), not at a step
-    past the budget's ``step_limit``, saved by ``model.save``, ``save_weights`` and
-    ``BackupAndRestore`` and restored with the step count, so a resumed run continues the
-    recurrence: it neither adds again noise it added nor loses the correlation. The key is never
-    saved (a secret key is drawn afresh at a load, as :class:`DPGaussian`'s): the later ``z``
-    are then fresh draws, which the analysis allows. **The buffers are secret**: with the
-    weights before and after a step they give the clipped gradient sum without noise. A
-    checkpoint of the ``PerExampleModel`` must be kept as private as the data; publish the
-    trained network alone (``model.model.save(...)``), which holds no buffer.
+    **State.** ``noise_buffer``: one non-trainable float32 variable of shape ``(b - 1, P)``,
+    ``P`` the model's trainable parameters (its variables' coordinates in order), holding the
+    last ``b - 1`` noises ``w`` added to the update: a ring, ``w_t`` in slot ``t mod (b - 1)``:
+    ``b - 1`` copies of the parameters. Regenerating the past ``z`` from the key instead would
+    need the whole history, ``C^-1`` being dense. The buffer is updated in the train step (carried through the
+    JAX step like ``step_count``), not at a step past the budget's ``step_limit``, saved by
+    ``model.save``, ``save_weights`` and ``BackupAndRestore`` and restored with the step count,
+    so a resumed run continues the recurrence: it neither adds again noise it added nor loses
+    the correlation. The key is never saved (a secret key is drawn afresh at a load, as
+    :class:`DPGaussian`'s): the later ``z`` are then fresh draws, which the analysis allows.
+    **The buffer is secret**: with the weights before and after a step it gives the clipped
+    gradient sum without noise. A checkpoint of the ``PerExampleModel`` must be kept as
+    private as the data; publish the trained network alone (``model.model.save(...)``),
+    which holds no buffer.
 
     **Where it may be used.** As ``dp_gaussian``, on a sampler whose participations are at
     least ``b`` steps apart: ``fit`` refuses, before any step, a
@@ -102,7 +106,7 @@ class BandedMFGaussian(DPGaussian):
         differentially private ML". https://arxiv.org/abs/2405.15913
     """
 
-    #: The buffers are shaped like the trainable variables the rule was built for.
+    #: The buffer is sized by the trainable variables the rule was built for.
     state_per_variable = True
 
     def __init__(self, l2_norm_clip: float, noise_multiplier: float, *, bands: int | None = None,
@@ -119,9 +123,11 @@ class BandedMFGaussian(DPGaussian):
         super().__init__(l2_norm_clip, noise_multiplier, per_layer=per_layer,
                          expected_batch_size=expected_batch_size, seed=seed, diagnostics=diagnostics,
                          **kwargs)
-        self.noise_buffers = []
+        #: The ring of past noises (a float32 variable of shape ``(b - 1, parameters)``), None
+        #: for ``b = 1`` and before the rule is built.
+        self.noise_buffer = None
         #: The :attr:`~pergrad.privacy.CyclicPoissonSampler.groups_fingerprint` of the sampler
-        #: whose groups the buffers' noise was added on (saved with them); None before a fit.
+        #: whose groups the buffer's noise was added on (saved with them); None before a fit.
         self.groups_fingerprint = None
 
     def continue_on(self, fingerprint: str, steps: int) -> None:
@@ -132,9 +138,9 @@ class BandedMFGaussian(DPGaussian):
         steps apart. Raises before any step if they differ; records them otherwise."""
         if steps > 0 and fingerprint != self.groups_fingerprint:
             raise ValueError(
-                f"This banded_mf_gaussian model has taken {steps} steps, and its noise buffers "
-                "continue their correlation, but the CyclicPoissonSampler of this fit has other "
-                "groups than the one they were drawn on (a sampler made with seed=None draws new "
+                f"This banded_mf_gaussian model has taken {steps} steps, and its noise buffer "
+                "continues their correlation, but the CyclicPoissonSampler of this fit has other "
+                "groups than the one its noises were added on (a sampler made with seed=None draws new "
                 "groups in each process), so participations around the resumption need not be "
                 f"{self.bands} steps apart. Resume with the sampler of the same seed (pass seed= "
                 "when making it, and keep it as secret as the checkpoint), or start a new run."
@@ -148,55 +154,64 @@ class BandedMFGaussian(DPGaussian):
 
     def build(self, shapes=None):
         super().build(shapes)
+        self.noise_buffer = None
         if self.bands > 1:
-            self.noise_buffers = [
-                self.add_weight(shape=(self.bands - 1, *tuple(shape[1:])), initializer="zeros",
-                                dtype="float32", trainable=False, name=f"noise_buffer_{k}")
-                for k, shape in enumerate(shapes)
-            ]
+            size = sum(math.prod(tuple(shape[1:])) for shape in shapes)
+            self.noise_buffer = self.add_weight(shape=(self.bands - 1, size), initializer="zeros",
+                                                dtype="float32", trainable=False, name="noise_buffer")
 
     def save_own_variables(self, store):
         super().save_own_variables(store)  # the step count (never the key)
-        for k, buffer in enumerate(self.noise_buffers):
-            store[f"noise_buffer_{k}"] = buffer
-        if self.noise_buffers:  # which groups the buffers' noise was added on (32 bytes, 0: none)
+        if self.noise_buffer is not None:
+            store["noise_buffer"] = self.noise_buffer
+            # which groups the buffer's noise was added on (32 bytes, 0: none)
             store["groups_fingerprint"] = np.frombuffer(
                 bytes.fromhex(self.groups_fingerprint or "00" * 32), np.uint8)
 
     def load_own_variables(self, store):
-        missing = [f"noise_buffer_{k}" for k in range(len(self.noise_buffers))
-                   if f"noise_buffer_{k}" not in store]
-        if missing:
-            raise ValueError(
-                f"No noise buffers for {self.name!r} in the saved weights (keys {list(store.keys())}): "
-                f"they were not saved from a BandedMFGaussian of {self.bands} bands for this model."
-            )
+        if self.noise_buffer is not None:
+            saved = store["noise_buffer"] if "noise_buffer" in store else None
+            if saved is None or tuple(saved.shape) != tuple(self.noise_buffer.shape):
+                found = "none" if saved is None else f"shape {tuple(saved.shape)}"
+                raise ValueError(
+                    f"The saved weights hold no noise buffer of shape {tuple(self.noise_buffer.shape)} "
+                    f"for {self.name!r} (found {found}; keys {list(store.keys())}): they were not "
+                    f"saved from a BandedMFGaussian of {self.bands} bands for this model."
+                )
         super().load_own_variables(store)
-        for k, buffer in enumerate(self.noise_buffers):
-            buffer.assign(store[f"noise_buffer_{k}"])
-        if self.noise_buffers:
+        if self.noise_buffer is not None:
+            self.noise_buffer.assign(store["noise_buffer"])
             recorded = bytes(np.asarray(store["groups_fingerprint"], np.uint8)) \
                 if "groups_fingerprint" in store else bytes(32)
             self.groups_fingerprint = recorded.hex() if any(recorded) else None
 
     def step_noise(self, result: list, stats: ExampleStatistics, step) -> list:
-        """``w_t``, one step of the recurrence on :meth:`DPGaussian.step_noise`'s ``z_t``;
-        the buffers take ``w_t`` (unless the step is past ``step_limit``: not applied)."""
-        z = super().step_noise(result, stats, step)
+        """``w_t``, one step of the recurrence on :meth:`DPGaussian.flat_step_noise`'s ``z_t``,
+        cut into the variables' shapes; the buffer takes ``w_t`` (unless the step is past
+        ``step_limit``: not applied).
+
+        The buffer is a ring indexed by the step count: ``w_t`` goes to slot ``t mod (b - 1)``,
+        written in place (:func:`~pergrad.backend.assign_slot`), so a step reads the past
+        noises once and writes one, not the whole buffer shifted; one buffer for all variables,
+        so a step is a few operations whatever the model (torch dispatches each)."""
+        z = self.flat_step_noise(result, stats, step)
         if self.bands == 1:  # c_0 = 1: DP-SGD's noise itself
-            return z
+            return split_like(z, result)
         scale, feedback = self.strategy.recurrence
-        feedback = ops.convert_to_tensor(np.asarray(feedback, np.float32))
+        slots = self.bands - 1
+        step = ops.cast(step, "int32")
+        # Slot s holds w_{t-k} for k - 1 = (t - 1 - s) mod (b - 1) (+ b - 1: kept >= 0).
+        lags = ops.mod(step - 1 - ops.arange(slots, dtype="int32") + slots, slots)
+        weights = ops.take(ops.convert_to_tensor(np.asarray(feedback, np.float32)), lags)
+        slot = ops.mod(step, slots)
+        past = ops.convert_to_tensor(self.noise_buffer.value)
+        w = z * np.float32(scale) - ops.tensordot(weights, past, axes=1)
+        # Past the limit the slot keeps its value (one slot read, not a pass over the buffer).
         allowed = ops.less(step, self.step_limit.value)
-        noises = []
-        for part, buffer in zip(z, self.noise_buffers):
-            past = ops.convert_to_tensor(buffer.value)
-            w = part * np.float32(scale) - ops.tensordot(feedback, past, axes=1)
-            # (cond, not where: one branch runs, no extra pass over the buffers)
-            buffer.assign(ops.cond(allowed, lambda w=w, past=past: ops.concatenate([w[None], past[:-1]]),
-                                   lambda past=past: past))
-            noises.append(w)
-        return noises
+        assign_slot(self.noise_buffer, slot, ops.where(allowed, w, ops.take(past, slot, axis=0)))
+        # w read back from its slot (past the limit: not applied, whatever its value): XLA
+        # would otherwise compute it in each of its two consumers, reading the buffer twice.
+        return split_like(ops.take(ops.convert_to_tensor(self.noise_buffer.value), slot, axis=0), result)
 
     def get_config(self):
         return {

@@ -334,18 +334,24 @@ class DPGaussian(WeightedAggregator):
     def step_noise(self, result: list, stats: ExampleStatistics, step) -> list:
         """The noise of step ``step`` on the result (float32, one tensor per variable):
         ``N(0, (noise_stddev / denominator)^2)`` per coordinate, a pure function of (key,
-        ``step``). :class:`~pergrad.privacy.BandedMFGaussian` correlates it across steps."""
+        ``step``): :meth:`flat_step_noise` cut into the variables' shapes."""
+        return split_like(self.flat_step_noise(result, stats, step), result)
+
+    def flat_step_noise(self, result: list, stats: ExampleStatistics, step):
+        """:meth:`step_noise` as one float32 vector, the variables' coordinates in order (one
+        draw for all variables); zeros at a step past ``step_limit`` (not applied).
+        :class:`~pergrad.privacy.BandedMFGaussian` correlates it across steps."""
         denominator = self._denominator(stats)  # the weights' denominator
-        # One draw for all variables. The scale enters the generator: its last rounding
-        # then smooths the float32 values (docs/architecture.md, "Noise generator").
+        # The scale enters the generator: its last rounding then smooths the float32 values
+        # (docs/architecture.md, "Noise generator").
         scale = self.noise_stddev / ops.cast(denominator, "float32")
-        sizes = [math.prod(g.shape) for g in result]
-        values = noise.gaussian_noise(self._key(), step, sum(sizes), scale)
-        parts, start = [], 0
-        for gradient, size in zip(result, sizes):
-            parts.append(ops.reshape(values[start : start + size], gradient.shape))
-            start += size
-        return parts
+        size = sum(math.prod(g.shape) for g in result)
+        # Drawn in a branch: no draw past the limit, and on JAX the branch's result is
+        # materialized; else XLA fuses the generator (~200 integer ops a value) into each of
+        # its consumers in the step and draws it twice (15% of an MLP's DP step).
+        return ops.cond(ops.less(step, self.step_limit.value),
+                        lambda: noise.gaussian_noise(self._key(), step, size, scale),
+                        lambda: ops.zeros((size,), "float32"))
 
     def get_config(self):
         return {
@@ -357,6 +363,16 @@ class DPGaussian(WeightedAggregator):
             "seed": self.seed,
             "diagnostics": self.log_diagnostics,
         }
+
+
+def split_like(values, tensors) -> list:
+    """The vector ``values`` cut, in order, into tensors of the shapes of ``tensors``."""
+    parts, start = [], 0
+    for tensor in tensors:
+        size = math.prod(tensor.shape)
+        parts.append(ops.reshape(values[start : start + size], tensor.shape))
+        start += size
+    return parts
 
 
 def clipping_reports(clipped, norms, flat_norms) -> dict:
