@@ -32,6 +32,7 @@ from pergrad.aggregators.base import (
 )
 from pergrad.aggregators.basic import clip_factors
 from pergrad.arguments import check_number
+from pergrad.backend import branch
 from pergrad.privacy import noise
 from pergrad.tensors import as_float32
 
@@ -349,9 +350,9 @@ class DPGaussian(WeightedAggregator):
         # Drawn in a branch: no draw past the limit, and on JAX the branch's result is
         # materialized; else XLA fuses the generator (~200 integer ops a value) into each of
         # its consumers in the step and draws it twice (15% of an MLP's DP step).
-        return ops.cond(ops.less(step, self.step_limit.value),
-                        lambda: noise.gaussian_noise(self._key(), step, size, scale),
-                        lambda: ops.zeros((size,), "float32"))
+        return branch(ops.less(step, self.step_limit.value),
+                      lambda: noise.gaussian_noise(self._key(), step, size, scale),
+                      lambda: ops.zeros((size,), "float32"))
 
     def get_config(self):
         return {
