@@ -141,8 +141,9 @@ OPTIONAL_KERNELS = {
         ":func:`branch`)."
     ),
     "assign_slot": (
-        "``variable[index] = value`` along the first axis, in place; ``False`` where it "
-        "cannot (under a ``tf.distribute`` strategy) (TensorFlow, torch; :func:`assign_slot`)."
+        "``variable[index] = value`` along the first axis, in place, returning ``value``; "
+        "``None`` where it cannot (under a ``tf.distribute`` strategy) (TensorFlow, torch; "
+        ":func:`assign_slot`)."
     ),
     # -- the engine
     "grad_with_aux_at_outputs": (
@@ -192,14 +193,22 @@ def branch(pred, true_fn, false_fn):
 def assign_slot(variable, index, value):
     """``variable[index] = value`` on the first axis of a Keras variable (``index`` a scalar
     tensor, ``value`` of the shape of one slot): a ring buffer's write of one slot
-    (:class:`~pergrad.privacy.BandedMFGaussian`). In place where the adapter's kernel is
-    (TensorFlow's scatter update, torch's ``index_copy_``); elsewhere the variable is assigned
-    ``keras.ops.slice_update`` of its value, which XLA updates in place on JAX because the
-    train step donates its state."""
+    (:class:`~pergrad.privacy.BandedMFGaussian`). Returns the slot's new value, for the caller
+    to use instead of ``value``.
+
+    In place where the adapter's kernel is (TensorFlow's scatter update, torch's
+    ``index_copy_``), which returns ``value`` itself: on TensorFlow a variable written by a
+    scatter copies itself at every dense read, so the slot is not read back. Elsewhere the
+    variable is assigned ``keras.ops.slice_update`` of its value, which XLA updates in place on
+    JAX because the train step donates its state, and the slot is read back from it: XLA
+    would otherwise compute ``value`` again in each of its two consumers."""
     kernel = optional_kernel("assign_slot")
-    if kernel is None or kernel(variable, index, value) is False:
+    stored = None if kernel is None else kernel(variable, index, value)
+    if stored is None:
         start = [index] + [0] * (len(variable.shape) - 1)
         variable.assign(keras.ops.slice_update(variable.value, start, keras.ops.expand_dims(value, 0)))
+        stored = keras.ops.take(keras.ops.convert_to_tensor(variable.value), index, axis=0)
+    return stored
 
 
 def adapter():

@@ -395,10 +395,10 @@ def process_index():
 
 def assign_slot(variable, index, value):
     """``variable[index] = value`` on the first axis, in place (one ``ResourceScatterUpdate``,
-    not a new tensor of the variable's size); ``False`` under a ``tf.distribute`` strategy,
-    whose mirrored variables take the generic assignment."""
+    not a new tensor of the variable's size); returns ``value``. ``None`` under a
+    ``tf.distribute`` strategy, whose mirrored variables take the generic assignment."""
     if tf.distribute.has_strategy():
-        return False
+        return None
     index = tf.reshape(tf.cast(index, "int32"), (1,))
     variable.value.scatter_update(tf.IndexedSlices(tf.expand_dims(value, 0), index))
-    return None
+    return value

@@ -570,9 +570,11 @@ def sorted_ranks(x, lo, hi, block_bytes=1 << 20, with_nan=False):
 
 
 def assign_slot(variable, index, value):
-    """``variable[index] = value`` on the first axis, in place (``index_copy_``)."""
+    """``variable[index] = value`` on the first axis, in place (``index_copy_``); returns
+    ``value``."""
     with torch.no_grad():
         variable.value.index_copy_(0, torch.as_tensor(index, dtype=torch.long).reshape(1), value.unsqueeze(0))
+    return value
 
 
 def noise_words(key, step, count, chunk=1 << 16):

@@ -206,12 +206,11 @@ class BandedMFGaussian(DPGaussian):
         slot = ops.mod(step, slots)
         past = ops.convert_to_tensor(self.noise_buffer.value)
         w = z * np.float32(scale) - ops.tensordot(weights, past, axes=1)
-        # Past the limit the slot keeps its value (one slot read, not a pass over the buffer).
+        # Past the limit the slot keeps its value (one slot read, not a pass over the buffer),
+        # and the step's noise is not applied, whatever its value.
         allowed = ops.less(step, self.step_limit.value)
-        assign_slot(self.noise_buffer, slot, ops.where(allowed, w, ops.take(past, slot, axis=0)))
-        # w read back from its slot (past the limit: not applied, whatever its value): XLA
-        # would otherwise compute it in each of its two consumers, reading the buffer twice.
-        return split_like(ops.take(ops.convert_to_tensor(self.noise_buffer.value), slot, axis=0), result)
+        w = assign_slot(self.noise_buffer, slot, ops.where(allowed, w, ops.take(past, slot, axis=0)))
+        return split_like(w, result)
 
     def get_config(self):
         return {
