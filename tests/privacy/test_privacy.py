@@ -164,6 +164,47 @@ def test_poisson_sampler_keeps_nested_inputs_and_user_sample_weights():
     assert len(sampler) == 5  # round(1 / q) steps per epoch by default
 
 
+def _sequence_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(12, 4),
+                             keras.layers.Dense(12)])
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_sampler_weights_broadcast_over_a_sequence_loss_and_train_like_keras(per_token):
+    """Token labels ``(n, T)``: one weight an example comes as ``(rows, 1)``, which Keras's loss
+    reduction broadcasts over the tokens (from ``(rows,)`` plain Keras raises: 'Incompatible
+    shapes'); per-token weights ``(n, T)`` come as ``(rows, T)``; padding rows weigh 0. The
+    ``mean`` rule on a sampler's batch trains as plain Keras on it, and a DP fit runs."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 12, size=(40, 6)).astype("int32")
+    y = rng.integers(0, 12, size=(40, 6)).astype("int32")
+    weights = rng.uniform(0.5, 2.0, size=(40, 6)).astype("float32") if per_token else None
+    sampler = PoissonSampler(x, y, sample_weight=weights, sampling_rate=0.3, seed=1)
+    batch_x, batch_y, batch_weights = sampler[0]
+    real = int(np.count_nonzero(batch_weights.reshape(len(batch_weights), -1).any(axis=1)))
+    assert batch_weights.shape == (len(batch_x), 6 if per_token else 1)
+    assert 0 < real < len(batch_x) and not batch_weights[real:].any()
+    if per_token:
+        rows = [int(np.flatnonzero((x == row).all(axis=1))[0]) for row in batch_x[:real]]
+        np.testing.assert_array_equal(batch_weights[:real], weights[rows])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    plain, wrapped = _sequence_model(), pergrad.PerExampleModel(_sequence_model(), "mean")
+    for model in (plain, wrapped):
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+        model.train_on_batch(batch_x, batch_y, sample_weight=batch_weights)
+    for a, b in zip(plain.get_weights(), wrapped.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    before = _sequence_model().get_weights()
+    dp = pergrad.PerExampleModel(_sequence_model(), dp_gaussian(
+        1.0, 0.5, expected_batch_size=sampler.expected_batch_size, seed=2))
+    dp.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+    dp.fit(sampler, epochs=1, verbose=0)
+    after = dp.model.get_weights()
+    assert all(np.isfinite(w).all() for w in after)
+    assert any(not np.allclose(a, b) for a, b in zip(before, after))
+
+
 def test_poisson_batches_are_padded_to_a_few_bucket_sizes_near_the_drawn_size():
     """At an expected batch of 64 (the demo's digits: 1437 examples), padding is
     <= 10% of the real rows (it was 91% when every batch had max_batch_size rows)."""

@@ -148,7 +148,10 @@ class PoissonSampler(keras.utils.PyDataset):
     :meth:`padded_size`), so a jitted train step is traced once per bucket
     size it meets, a handful in all, and padding costs about half a bucket.
     Batches are ``(x, y, sample_weight)``; the sample weight is the user's (or
-    1) for sampled rows and 0 for padding.
+    1) for sampled rows and 0 for padding. A weight per example is shaped
+    ``(rows, 1, ...)`` to the rank of ``y`` (one array), so that it weighs every
+    value of an example whose loss has several (a sequence's tokens, an image's
+    pixels), which Keras's own reduction does not broadcast from ``(rows,)``.
 
     Use it with :func:`pergrad.privacy.dp_gaussian` and pass
     ``expected_batch_size=sampler.expected_batch_size``: the padded batch's
@@ -198,7 +201,9 @@ class PoissonSampler(keras.utils.PyDataset):
         y: targets (same structure rules). Required: Keras batches cannot carry
             a sample weight without targets.
         sampling_rate: ``q``, each example's inclusion probability per step.
-        sample_weight: optional per-example weights, shape ``(n,)``.
+        sample_weight: optional weights, shape ``(n,)`` (one an example) or the shape
+            of the per-example loss values (``(n, steps)`` for a sequence's tokens,
+            as keras-hub's preprocessors give).
         max_batch_size: the largest padded batch size; by default
             :func:`max_batch_size_for` with ``overflow_probability``.
         bucket_width: batches are padded to the next multiple of it (at most
@@ -253,8 +258,8 @@ class PoissonSampler(keras.utils.PyDataset):
         sizes = {len(a) for a in tree.flatten(self.x)} | {len(a) for a in tree.flatten(self.y)}
         if sample_weight is not None:
             sample_weight = np.asarray(sample_weight, dtype="float32")
-            if sample_weight.ndim != 1:
-                raise ValueError(f"sample_weight must have shape (n,), got {sample_weight.shape}.")
+            if sample_weight.ndim < 1:
+                raise ValueError(f"sample_weight must have shape (n, ...), got {sample_weight.shape}.")
             sizes.add(len(sample_weight))
         if len(sizes) != 1:
             raise ValueError(f"x, y and sample_weight must share their first axis; got sizes {sizes}.")
@@ -271,6 +276,12 @@ class PoissonSampler(keras.utils.PyDataset):
         #: The examples of the whole data set (``dataset_size``, else those given).
         self.dataset_size = self.shard_size if dataset_size is None else int(dataset_size)
         self.sample_weight = sample_weight
+        targets = tree.flatten(self.y)
+        #: The shape of one row's weight: the user's, or ``(1,) * (rank of y - 1)`` for one
+        #: weight an example (Keras's loss reduction broadcasts ``(B, 1)`` over ``(B, T)``
+        #: values, not ``(B,)``).
+        self.weight_shape = tuple(sample_weight.shape[1:]) if sample_weight is not None and \
+            sample_weight.ndim > 1 else (1,) * (targets[0].ndim - 1 if len(targets) == 1 else 0)
         self.sampling_rate = float(sampling_rate)
         if max_batch_size is None:
             max_batch_size = max_batch_size_for(self.shard_size, self.sampling_rate, overflow_probability)
@@ -472,8 +483,9 @@ class PoissonSampler(keras.utils.PyDataset):
     def __getitem__(self, index):
         indices, size = self.local_part(self.sample_indices())
         rows = np.concatenate([indices, np.zeros(size - len(indices), dtype=indices.dtype)])
-        weights = np.zeros(size, dtype="float32")
-        weights[: len(indices)] = 1.0 if self.sample_weight is None else self.sample_weight[indices]
+        weights = np.zeros((size, *self.weight_shape), dtype="float32")
+        weights[: len(indices)] = 1.0 if self.sample_weight is None else \
+            self.sample_weight[indices].reshape((len(indices), *self.weight_shape))
         return self.inputs(rows, len(indices)), tree.map_structure(lambda a: a[rows], self.y), weights
 
     def local_part(self, indices: np.ndarray) -> tuple[np.ndarray, int]:
