@@ -28,7 +28,8 @@ import numpy as np
 RATE, DELTA, NOISE, SAMPLER_SEED, NOISE_SEED = 0.25, 1e-5, 1.0, 3, 5
 SIZE = 32  # examples of the DP runs; the fixed-batch runs use the first 16
 FIXED_RULES = ("mean", "clip", "median", "krum")
-DP_RULES = ("dp_gaussian", "user_level", "adaptive")
+DP_RULES = ("dp_gaussian", "user_level", "adaptive", "banded")
+BANDS = 2  # the BandMF run: FHU of 2 bands on a CyclicPoissonSampler of cycle 2
 USERS, PER_USER = 8, 4  # the user-level run: 8 users of 4 examples
 STATISTICS_STEPS = 200  # the sampler's draws recorded for the statistical tests
 STATISTICS_SIZES = (120, 80)  # the two shards of the sharded statistics run (200 examples)
@@ -95,6 +96,8 @@ def dp_model(name, data, expected, seed=NOISE_SEED, net=None):
                                                              seed=seed),
         "adaptive": lambda: privacy.adaptive_dp_gaussian(0.3, NOISE, expected_batch_size=expected,
                                                          count_stddev=1.0, seed=seed),
+        "banded": lambda: privacy.banded_mf_gaussian(0.5, NOISE, bands=BANDS, expected_batch_size=expected,
+                                                     seed=seed),
     }[name]()
     model = pergrad.PerExampleModel(data.model if net is None else net, rule)
     model.compile(optimizer=keras.optimizers.SGD(0.5), loss=data.loss)
@@ -137,11 +140,17 @@ def train_dp(name: str, shard=None, net=None, checkpoint=None, weights=keras.Mod
                                       sampling_rate=0.5, examples_per_user=2, seed=SAMPLER_SEED,
                                       bucket_width=16, max_batch_size=16, steps_per_epoch=4)
         rate = 0.5
+    elif name == "banded":
+        rate = RATE * BANDS  # a group's rate: each example's participations are BANDS steps apart
+        sampler = privacy.CyclicPoissonSampler(data.x, data.y, sample_weight=data.sample_weight,
+                                               sampling_rate=rate, cycle_length=BANDS, seed=SAMPLER_SEED,
+                                               bucket_width=16, max_batch_size=16, steps_per_epoch=4)
     else:
         sampler, rate = dp_sampler(data, shard=shard), RATE
     model = dp_model(name, data, sampler.expected_batch_size, net=net)
     unit = "user" if name == "user_level" else "example"
-    accountant = privacy.PrivacyAccountant(NOISE, rate, DELTA, unit=unit)
+    accountant = privacy.PrivacyAccountant(NOISE, rate, DELTA, unit=unit,
+                                           cycle_length=BANDS if name == "banded" else None)
 
     def fit(sampler, callbacks, initial_epoch=0):
         history = model.fit(sampler, epochs=2, initial_epoch=initial_epoch, verbose=0, callbacks=callbacks)
@@ -362,6 +371,7 @@ def main(process: int, port: int, directory: str) -> None:
     report["sharded"] = timed("sharded", lambda: train_dp("dp_gaussian", shard=(process, 2)))
     report["user_level"] = timed("user_level", lambda: train_dp("user_level"))
     report["adaptive"] = timed("adaptive", lambda: train_dp("adaptive"))
+    report["banded"] = timed("banded", lambda: train_dp("banded"))
     report["model_parallel"] = timed("model_parallel", model_parallel)
     report["secret"] = timed("secret", lambda: secret_run(process, directory))
     report["statistics"] = timed("statistics", lambda: statistics_draws(process))

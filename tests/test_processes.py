@@ -118,8 +118,9 @@ def test_every_rule_on_two_processes_trains_as_on_one(runs):
     # Fixed batches (each process its contiguous half of every global batch of 8): mean, clip,
     # median (the streaming path's all-to-alls), Krum (the Gram matrix's all-gathers).
     # Poisson-sampled DP rules: dp_gaussian, user-level DP (a user's examples on both
-    # processes), adaptive clipping (its count summed over the processes): the weights,
-    # epsilon, the loss and the rule's logs of one process.
+    # processes), adaptive clipping (its count summed over the processes), BandMF on a
+    # CyclicPoissonSampler (its noise buffer carried by both): the weights, epsilon, the loss
+    # and the rule's logs of one process.
     reports, single = runs
     initial = _initial_weights()
     for rule in process_runs.FIXED_RULES + process_runs.DP_RULES:

@@ -136,10 +136,6 @@ OPTIONAL_KERNELS = {
     "noise_words": (
         "NumPy's Philox-4x64-10 random words for DP noise, a chunk at a time (torch)."
     ),
-    "branch": (
-        "``keras.ops.cond(pred, true_fn, false_fn)``, called at once outside a trace (JAX; "
-        ":func:`branch`)."
-    ),
     "assign_slot": (
         "``variable[index] = value`` along the first axis, in place, returning ``value``; "
         "``None`` where it cannot (under a ``tf.distribute`` strategy) (TensorFlow, torch; "
@@ -180,14 +176,6 @@ def traced_apart(fn):
     runs eagerly)."""
     apart = optional_kernel("traced_apart")
     return fn() if apart is None else apart(fn)
-
-
-def branch(pred, true_fn, false_fn):
-    """``keras.ops.cond(pred, true_fn, false_fn)``: in a compiled step one branch runs and its
-    result is materialized; the JAX adapter's ``branch`` calls the chosen branch at once outside
-    a trace, where JAX's ``cond`` would compile both at every call."""
-    kernel = optional_kernel("branch")
-    return (kernel or keras.ops.cond)(pred, true_fn, false_fn)
 
 
 def assign_slot(variable, index, value):

@@ -127,14 +127,6 @@ def data_part(layout):
     return start // count, size // count
 
 
-def branch(pred, true_fn, false_fn):
-    """``jax.lax.cond`` under a trace; outside one, the branch ``pred`` picks, called at once
-    (JAX's eager ``cond`` compiles both branches again at every call: 1 s for the DP noise's)."""
-    if isinstance(pred, jax.core.Tracer):
-        return jax.lax.cond(pred, true_fn, false_fn)
-    return true_fn() if bool(pred) else false_fn()
-
-
 def batch_sum(values):
     """``(B, ...) -> (...)``: the sum over the batch axis as the transposed rows times a vector
     of ones. XLA:CPU reduces over a leading axis of a fused expression ~20x slower than this

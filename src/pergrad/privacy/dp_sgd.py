@@ -32,7 +32,6 @@ from pergrad.aggregators.base import (
 )
 from pergrad.aggregators.basic import clip_factors
 from pergrad.arguments import check_number
-from pergrad.backend import branch
 from pergrad.privacy import noise
 from pergrad.tensors import as_float32
 
@@ -340,19 +339,17 @@ class DPGaussian(WeightedAggregator):
 
     def flat_step_noise(self, result: list, stats: ExampleStatistics, step):
         """:meth:`step_noise` as one float32 vector, the variables' coordinates in order (one
-        draw for all variables); zeros at a step past ``step_limit`` (not applied).
+        draw for all variables).
         :class:`~pergrad.privacy.BandedMFGaussian` correlates it across steps."""
         denominator = self._denominator(stats)  # the weights' denominator
         # The scale enters the generator: its last rounding then smooths the float32 values
         # (docs/architecture.md, "Noise generator").
         scale = self.noise_stddev / ops.cast(denominator, "float32")
         size = sum(math.prod(g.shape) for g in result)
-        # Drawn in a branch: no draw past the limit, and on JAX the branch's result is
-        # materialized; else XLA fuses the generator (~200 integer ops a value) into each of
-        # its consumers in the step and draws it twice (15% of an MLP's DP step).
-        return branch(ops.less(step, self.step_limit.value),
-                      lambda: noise.gaussian_noise(self._key(), step, size, scale),
-                      lambda: ops.zeros((size,), "float32"))
+        # Not drawn in a branch on the budget (ops.cond): on JAX a branch materializes the
+        # draw, 16% faster on an MLP (XLA fuses the generator into each consumer otherwise),
+        # but 7x slower for ResNet50's 23.5M parameters (docs/banded-mf.md, 'Cost of a step').
+        return noise.gaussian_noise(self._key(), step, size, scale)
 
     def get_config(self):
         return {
