@@ -348,7 +348,7 @@ class DPGaussian(WeightedAggregator):
         size = sum(math.prod(g.shape) for g in result)
         # Not drawn in a branch on the budget (ops.cond): on JAX a branch materializes the
         # draw, 16% faster on an MLP (XLA fuses the generator into each consumer otherwise),
-        # but 7x slower for ResNet50's 23.5M parameters (docs/banded-mf.md, 'Cost of a step').
+        # but it made ResNet50's DP step 1.8x slower (docs/banded-mf.md, 'Cost of a step').
         return noise.gaussian_noise(self._key(), step, size, scale)
 
     def get_config(self):
